@@ -1,0 +1,132 @@
+//! The router's own content hash of token blocks.
+//!
+//! kvroute keys its index by a hash it computes itself from token content, never by the engine's
+//! block hash: engines disagree on the function (SGLang chains SHA-256, vLLM hashes CBOR with a
+//! seed that used to be random per process), and a request arriving at the router has tokens, not
+//! engine hashes. The engine hash is kept only as a per-rank side key so `BlockRemoved` can be
+//! applied.
+//!
+//! The hash of block `i` is chained: `h_i = xxh3_64_with_seed(tokens_i, mix(h_{i-1}, extra_i))`
+//! with `h_{-1}` = the namespace seed (LoRA adapter). Chaining makes a block's hash identify its
+//! whole prefix, so equal hashes mean equal prefixes (up to 64-bit collisions), which is what lets
+//! the index look a block up directly instead of walking from the root. Only FULL blocks are
+//! hashed: engines cache and announce whole pages only.
+//!
+//! Changing anything here changes [`HASH_SCHEME`], which snapshots carry so that a replica built
+//! with a different function refuses them instead of grafting hashes it would never reproduce.
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// Names this module's function and parameters in snapshots. Bump it on any change.
+pub const HASH_SCHEME: &str = "kvroute-xxh3-chain-v1";
+
+/// The namespace seed of requests with no LoRA adapter and no cache salt.
+pub const BASE_NAMESPACE: u64 = 0x6b76_726f_7574_6531; // "kvroute1"
+
+/// Odd multiplier (2^64 / golden ratio) used to spread a block's extra-key digest before it is
+/// mixed into the seed, so a small digest cannot cancel the parent's bits.
+const EXTRA_SPREAD: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// The seed of a request's first block. LoRA adapters (by name when the engine sends one, else by
+/// id) and cache salts get separate namespaces, because an engine never shares KV across them.
+pub fn namespace_seed(lora_name: Option<&str>, lora_id: Option<i64>) -> u64 {
+    match (lora_name, lora_id) {
+        (Some(name), _) if !name.is_empty() => xxh3_64_with_seed(name.as_bytes(), BASE_NAMESPACE),
+        (_, Some(id)) => xxh3_64_with_seed(&id.to_le_bytes(), BASE_NAMESPACE ^ 1),
+        _ => BASE_NAMESPACE,
+    }
+}
+
+/// Digest of an opaque per-block extra key (e.g. the msgpack bytes of vLLM's `extra_keys` entry).
+pub fn extra_key_digest(bytes: &[u8]) -> u64 {
+    xxh3_64(bytes)
+}
+
+/// Hash of one block given its parent's hash (or the namespace seed for the first block).
+#[inline]
+pub fn chain_hash(parent: u64, block_tokens: &[u32], block_extra: Option<u64>) -> u64 {
+    let seed = match block_extra {
+        Some(extra) => parent ^ extra.wrapping_mul(EXTRA_SPREAD).rotate_left(29),
+        None => parent,
+    };
+    // Tokens as little-endian bytes on the stack: 16-token blocks are 64 bytes, and even large
+    // pages stay far below the buffer, so no allocation on the routing path.
+    let mut buf = [0u8; 1024];
+    if block_tokens.len() * 4 <= buf.len() {
+        for (dst, t) in buf.chunks_exact_mut(4).zip(block_tokens) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
+        xxh3_64_with_seed(&buf[..block_tokens.len() * 4], seed)
+    } else {
+        let bytes: Vec<u8> = block_tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        xxh3_64_with_seed(&bytes, seed)
+    }
+}
+
+/// Hashes the full blocks of `tokens` (a trailing partial block is ignored) into `out`, which is
+/// cleared first so callers can reuse one buffer per thread.
+pub fn hash_token_blocks(tokens: &[u32], block_size: usize, namespace: u64, out: &mut Vec<u64>) {
+    out.clear();
+    if block_size == 0 {
+        return;
+    }
+    out.reserve(tokens.len() / block_size);
+    let mut parent = namespace;
+    for block in tokens.chunks_exact(block_size) {
+        parent = chain_hash(parent, block, None);
+        out.push(parent);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_prefixes_hash_equal_and_diverge_after_the_first_differing_block() {
+        let a: Vec<u32> = (0..64).collect();
+        let mut b = a.clone();
+        b[40] = 9999; // inside block 2 (tokens 32..48) with block size 16
+        let (mut ha, mut hb) = (Vec::new(), Vec::new());
+        hash_token_blocks(&a, 16, BASE_NAMESPACE, &mut ha);
+        hash_token_blocks(&b, 16, BASE_NAMESPACE, &mut hb);
+        assert_eq!(ha.len(), 4);
+        assert_eq!(ha[..2], hb[..2]);
+        assert_ne!(ha[2], hb[2]);
+        assert_ne!(ha[3], hb[3], "a chained hash must carry the divergence forward");
+    }
+
+    #[test]
+    fn a_trailing_partial_block_is_not_hashed() {
+        let mut out = vec![1, 2, 3];
+        hash_token_blocks(&(0..47).collect::<Vec<u32>>(), 16, BASE_NAMESPACE, &mut out);
+        assert_eq!(out.len(), 2);
+    }
+
+    #[test]
+    fn lora_namespaces_never_share_a_block_hash() {
+        let tokens: Vec<u32> = (0..16).collect();
+        let base = chain_hash(namespace_seed(None, None), &tokens, None);
+        let by_name = chain_hash(namespace_seed(Some("adapter-a"), None), &tokens, None);
+        let by_id = chain_hash(namespace_seed(None, Some(7)), &tokens, None);
+        assert_ne!(base, by_name);
+        assert_ne!(base, by_id);
+        assert_ne!(by_name, by_id);
+    }
+
+    #[test]
+    fn an_extra_key_changes_the_block_hash() {
+        let tokens: Vec<u32> = (0..16).collect();
+        assert_ne!(
+            chain_hash(BASE_NAMESPACE, &tokens, None),
+            chain_hash(BASE_NAMESPACE, &tokens, Some(extra_key_digest(b"image-1")))
+        );
+    }
+
+    #[test]
+    fn blocks_larger_than_the_stack_buffer_hash_like_small_ones_would() {
+        let tokens: Vec<u32> = (0..600).collect();
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(chain_hash(5, &tokens, None), xxh3_64_with_seed(&bytes, 5));
+    }
+}

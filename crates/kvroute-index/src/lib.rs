@@ -1,0 +1,2 @@
+//! kvroute-index: which engine rank holds which token blocks.
+pub mod hash;

@@ -1,0 +1,79 @@
+//! The typed form of one engine KV-event batch, independent of how it was encoded.
+//!
+//! Block hashes are normalised into one opaque [`EngineHash`]: engines disagree on their type
+//! (SGLang signed i64, vLLM unsigned u64 or 32-byte digests) and kvroute never interprets them;
+//! it only needs "equal on the wire implies equal here" to apply `BlockRemoved` through a
+//! per-rank side map.
+
+/// An engine's block hash, normalised. Integers keep their 64 bits (an i64 is reinterpreted as
+/// u64, so -1 and 2^64-1 from two different engines collide, which is harmless: side maps are
+/// per rank and one engine uses one form). Byte hashes are folded with xxh3-64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct EngineHash(pub u64);
+
+/// Storage medium of a block, as named by the engine's `medium` field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Medium {
+    /// "GPU" / "DEVICE", and the meaning of an absent medium on a store.
+    Device,
+    /// "CPU" / "CPU_PINNED" / "CPU_TIER1".
+    Host,
+    /// "DISK" / "CPU_TIER2" / "NVME" / "STORAGE".
+    Disk,
+    /// "EXTERNAL" / "NETWORK" / "REMOTE" / "SHARED".
+    External,
+    /// A medium string this build does not know. A store in it is ignored by the index; a removal
+    /// in it clears every tier (the conservative reading: better a missed hit than a false one).
+    Unknown,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockStored {
+    pub block_hashes: Vec<EngineHash>,
+    pub parent_block_hash: Option<EngineHash>,
+    /// Flat tokens of all blocks: `block_size * block_hashes.len()` in the normal case.
+    pub token_ids: Vec<u32>,
+    pub block_size: u32,
+    pub lora_id: Option<i64>,
+    pub lora_name: Option<String>,
+    /// `None` when the key was absent (read as device by the index).
+    pub medium: Option<Medium>,
+    /// One digest per block of that block's `extra_keys` entry (multimodal ids, cache salt ...),
+    /// `None` for a block whose entry was nil. Empty when the engine sent no `extra_keys`.
+    pub extra_keys: Vec<Option<u64>>,
+    pub group_idx: Option<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlockRemoved {
+    pub block_hashes: Vec<EngineHash>,
+    /// `None` when absent: the removal applies to every tier.
+    pub medium: Option<Medium>,
+    pub group_idx: Option<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvEvent {
+    BlockStored(BlockStored),
+    BlockRemoved(BlockRemoved),
+    AllBlocksCleared,
+}
+
+/// One published batch: the payload frame of a `[topic, seq, payload]` message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventBatch {
+    pub ts: f64,
+    pub events: Vec<KvEvent>,
+    /// `data_parallel_rank` (vLLM) or `attn_dp_rank` (SGLang); absent or nil reads as `None`.
+    pub dp_rank: Option<u32>,
+}
+
+/// SGLang's `load` topic record: `["LoadStat", running, waiting, tokens, max_total_tokens, dp_rank]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadStat {
+    pub num_running_reqs: u64,
+    pub num_waiting_reqs: u64,
+    pub num_tokens: u64,
+    pub max_total_num_tokens: u64,
+    pub dp_rank: Option<u32>,
+}

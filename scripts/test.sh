@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: formatting, lints, and every test of the workspace
+# (unit, property, golden, component and end-to-end tests over real sockets and processes).
+# Installs what the tests need (a Python venv with msgspec + pyzmq) on a fresh machine.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "python venv for the interop tests"
+KVROUTE_PYTHON="$("$root/scripts/python-env.sh")"
+export KVROUTE_PYTHON
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "cargo test"
+cargo test --workspace --locked --no-fail-fast
+
+if [ -f "$root/deploy/kubernetes/validate.sh" ]; then
+  step "kubernetes manifests (offline schema check)"
+  "$root/deploy/kubernetes/validate.sh"
+fi
