@@ -1,0 +1,1 @@
+//! kvroute-kv: the KV plane (placeholder until its module tree lands).
