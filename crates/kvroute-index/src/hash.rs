@@ -93,7 +93,10 @@ mod tests {
         assert_eq!(ha.len(), 4);
         assert_eq!(ha[..2], hb[..2]);
         assert_ne!(ha[2], hb[2]);
-        assert_ne!(ha[3], hb[3], "a chained hash must carry the divergence forward");
+        assert_ne!(
+            ha[3], hb[3],
+            "a chained hash must carry the divergence forward"
+        );
     }
 
     #[test]

@@ -1,2 +1,14 @@
 //! kvroute-index: which engine rank holds which token blocks.
+//!
+//! [`hash`] computes the router's own chained content hash of token blocks; [`index`] keeps the
+//! sharded prefix index keyed by it (one writer, many readers); [`snapshot`] exports, validates,
+//! restores and filters the columnar [`kvroute_wire::snapshot::IndexSnapshot`].
 pub mod hash;
+pub mod index;
+pub mod snapshot;
+
+pub use index::{
+    ApplyReport, IndexConfig, IndexCounters, IndexReader, IndexWriter, PrefixIndex, PrefixMatch,
+    RankId, RankMatch, RankStats, TIER_ALL, TIER_DEVICE, TIER_DISK, TIER_EXTERNAL, TIER_HOST,
+};
+pub use snapshot::{RestoreError, RestoreReport, retain_ranks, validate_snapshot};

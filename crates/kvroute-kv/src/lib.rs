@@ -1,1 +1,28 @@
-//! kvroute-kv: the KV plane (placeholder until its module tree lands).
+//! kvroute-kv: the router's KV plane.
+//!
+//! It turns engine KV-event streams into one prefix index per model:
+//! * [`discovery`]: where a worker publishes (SGLang `/server_info`, or a template for vLLM);
+//! * [`transport`]: ZMQ SUB and replay DEALER behind a small trait, framing and size limits only;
+//! * `subscriber`: one background task per rank that connects, decodes and forwards;
+//! * [`rank_state`]: the pure per-rank sequencing machine (duplicates, gaps, restarts, replay);
+//! * `pump`: the single writer of each model's index, executing the machine's decisions;
+//! * [`plane`]: the [`KvPlane`] handle the router uses.
+//!
+//! Sockets live in subscriber and replay tasks; exactly one task per model (the pump) writes that
+//! model's index, so the index needs no write-side locking protocol beyond its own shard locks.
+
+pub mod discovery;
+pub mod metrics;
+pub mod plane;
+mod pump;
+pub mod rank_state;
+pub mod status;
+mod subscriber;
+pub mod transport;
+
+pub use discovery::{
+    DiscoveryError, KvEventsConfig, WorkerInfo, fetch_worker_info, kv_config_from_template,
+};
+pub use plane::{KvPlane, KvPlaneConfig, KvPlaneError, ModelView};
+pub use pump::PUMP_CHANNEL_CAPACITY;
+pub use status::{RankStatus, SubscriberState};

@@ -11,6 +11,38 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct EngineHash(pub u64);
 
+impl EngineHash {
+    /// A byte-string hash (vLLM bytes mode sends 32-byte SHA-256 digests) folded to 64 bits.
+    /// Folding keeps the index's per-rank side maps at one machine word per entry; a collision
+    /// needs two live blocks of one rank to agree on 64 bits of xxh3, which is negligible.
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        EngineHash(xxhash_rust::xxh3::xxh3_64(bytes))
+    }
+
+    /// A signed engine hash (SGLang's int64), kept bit for bit.
+    pub fn from_i64(value: i64) -> Self {
+        EngineHash(value as u64)
+    }
+}
+
+/// The 32 bytes the encoder writes for `h` in [`crate::Encoding::VllmBytes`] mode.
+///
+/// The expansion is deterministic, so a simulated engine in bytes mode names each block the same
+/// way every time. Decoding those bytes yields `EngineHash::from_bytes(&engine_hash_bytes32(h))`,
+/// not `h`: identity is preserved consistently (equal in, equal out), which is all a router needs
+/// because it never interprets engine hashes. The last 8 bytes are `h` big-endian, so vLLM's own
+/// rule for its integer mode (the low 64 bits of the digest read big-endian) maps them back to `h`.
+pub fn engine_hash_bytes32(h: EngineHash) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    let seed_bytes = h.0.to_le_bytes();
+    for (i, chunk) in out[..24].chunks_exact_mut(8).enumerate() {
+        let word = xxhash_rust::xxh3::xxh3_64_with_seed(&seed_bytes, i as u64);
+        chunk.copy_from_slice(&word.to_be_bytes());
+    }
+    out[24..].copy_from_slice(&h.0.to_be_bytes());
+    out
+}
+
 /// Storage medium of a block, as named by the engine's `medium` field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Medium {
@@ -25,6 +57,21 @@ pub enum Medium {
     /// A medium string this build does not know. A store in it is ignored by the index; a removal
     /// in it clears every tier (the conservative reading: better a missed hit than a false one).
     Unknown,
+}
+
+impl Medium {
+    /// Reads an engine's medium string. Matching is exact (engines write upper case); anything
+    /// else is [`Medium::Unknown`] rather than an error, so a new tier name in an engine release
+    /// degrades one event instead of the whole stream.
+    pub fn from_wire(name: &[u8]) -> Self {
+        match name {
+            b"GPU" | b"DEVICE" => Medium::Device,
+            b"CPU" | b"CPU_PINNED" | b"CPU_TIER1" => Medium::Host,
+            b"CPU_TIER2" | b"DISK" | b"NVME" | b"STORAGE" => Medium::Disk,
+            b"EXTERNAL" | b"NETWORK" | b"REMOTE" | b"SHARED" => Medium::External,
+            _ => Medium::Unknown,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -17,6 +17,11 @@ pub mod encode;
 pub mod event;
 pub mod snapshot;
 
-pub use decode::{DecodeError, decode_batch, decode_load_stat};
-pub use encode::{Encoding, encode_batch, encode_load_stat};
+pub use decode::{
+    DecodeError, Location, MAX_EVENTS_PER_BATCH, MAX_HASHES_PER_EVENT, MAX_NESTING_DEPTH,
+    MAX_PAYLOAD_BYTES, MAX_STRING_BYTES, MAX_TOKENS_PER_EVENT, decode_batch, decode_load_stat,
+};
+pub use encode::{
+    Encoding, encode_batch, encode_batch_into, encode_load_stat, encoded_extra_key_digest,
+};
 pub use event::*;

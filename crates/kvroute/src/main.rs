@@ -1,1 +1,86 @@
-fn main() {}
+//! The `kvroute` binary: parse flags, set up logging, run the router (or the demo) until SIGTERM
+//! or ctrl-c. All logic lives in the library.
+
+use clap::Parser;
+use kvroute::config::{Cli, Command, LogFormat};
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Demo(args)) => {
+            init_logging_quiet(cli.log_format);
+            match kvroute::demo::run(args).await {
+                Ok(()) => std::process::ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("demo failed: {e}");
+                    std::process::ExitCode::FAILURE
+                }
+            }
+        }
+        None => {
+            init_logging(cli.log_format);
+            let config = match cli.serve.into_config() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return std::process::ExitCode::from(2);
+                }
+            };
+            let handle = match kvroute::serve(config).await {
+                Ok(h) => h,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start");
+                    return std::process::ExitCode::FAILURE;
+                }
+            };
+            shutdown_signal().await;
+            tracing::info!("shutting down");
+            handle.shutdown().await;
+            std::process::ExitCode::SUCCESS
+        }
+    }
+}
+
+/// The demo prints a table; router logs would drown it, so only warnings are shown by default.
+fn init_logging_quiet(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}

@@ -1,0 +1,290 @@
+//! Custom harness (criterion reports means; routing cares about tails). Builds ONE realistic index
+//! (64 ranks x ~100,000 carried blocks, block size 16, a few hundred shared system prompts of
+//! 1-4k tokens extended by per-rank conversations) and reports:
+//! * bytes allocated per carried (rank, block) pair, via a counting global allocator
+//!   (target <= 40 B);
+//! * `match_prefix` latency for 8,192-token prompts INCLUDING `hash_token_blocks`, p50/p99/p99.9
+//!   over many calls on one thread (target p99 <= 20 us);
+//! * export and restore throughput in carried blocks/s (target >= 10 M/s each way).
+//!
+//! Token content is derived from small seeds so the generator keeps no token arrays around that
+//! would pollute the memory figure.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::time::Instant;
+
+use kvroute_index::hash::{BASE_NAMESPACE, hash_token_blocks};
+use kvroute_index::{IndexConfig, PrefixIndex, PrefixMatch};
+use kvroute_wire::event::{BlockStored, EngineHash, KvEvent};
+use kvroute_wire::snapshot::RankRef;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+struct Counting;
+
+static LIVE_BYTES: AtomicI64 = AtomicI64::new(0);
+
+// SAFETY: forwards to the system allocator; only counts sizes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(l.size() as i64, Relaxed);
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE_BYTES.fetch_sub(l.size() as i64, Relaxed);
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE_BYTES.fetch_add(new as i64 - l.size() as i64, Relaxed);
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+const BLOCK_SIZE: u32 = 16;
+const RANKS: u32 = 64;
+const BLOCKS_PER_RANK: u64 = 100_000;
+const SYSTEM_PROMPTS: u32 = 300;
+const BLOCKS_PER_EVENT: usize = 16;
+const PROMPT_BLOCKS: usize = 512; // 8,192 tokens
+const QUERIES: usize = 20_000;
+
+/// Deterministic token `pos` of a stream named by `seed`.
+fn token(seed: u64, pos: u64) -> u32 {
+    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ pos.wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    z ^= z >> 32;
+    (z % 128_000) as u32
+}
+
+fn sys_blocks(p: u32) -> usize {
+    64 + (p as usize * 37) % 193 // 64..=256 blocks = 1k..4k tokens
+}
+
+fn sys_seed(p: u32) -> u64 {
+    1 << 40 | u64::from(p)
+}
+
+fn conv_seed(rank: u32, conv: u32) -> u64 {
+    2 << 40 | u64::from(rank) << 20 | u64::from(conv)
+}
+
+/// A conversation: system prompt `prompt` then `tail_blocks` blocks of stream `conv_seed`.
+#[derive(Clone, Copy)]
+struct Conv {
+    prompt: u32,
+    seed: u64,
+    tail_blocks: usize,
+}
+
+fn skewed_prompt(rng: &mut StdRng) -> u32 {
+    let u: f64 = rng.random();
+    ((u * u) * f64::from(SYSTEM_PROMPTS)) as u32 % SYSTEM_PROMPTS
+}
+
+fn store_event(hashes: Vec<EngineHash>, parent: Option<EngineHash>, tokens: Vec<u32>) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes,
+        parent_block_hash: parent,
+        token_ids: tokens,
+        block_size: BLOCK_SIZE,
+        lora_id: None,
+        lora_name: None,
+        medium: None,
+        extra_keys: Vec::new(),
+        group_idx: None,
+    })
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; ignore arguments.
+    let mut rng = StdRng::seed_from_u64(7);
+    let base_bytes = LIVE_BYTES.load(Relaxed);
+    let t_build = Instant::now();
+    let (mut w, r) = PrefixIndex::new(IndexConfig {
+        max_carried_blocks: u64::MAX,
+        ..IndexConfig::new(BLOCK_SIZE)
+    });
+    let mut convs: Vec<Conv> = Vec::new();
+    let mut engine_seq: u64 = 1;
+    for rank in 0..RANKS {
+        let id = w.add_rank(RankRef {
+            worker_url: format!("http://10.0.0.{rank}:8000"),
+            dp_rank: 0,
+        });
+        let mut has_prompt = vec![None::<EngineHash>; SYSTEM_PROMPTS as usize];
+        let mut carried = 0u64;
+        let mut conv = 0u32;
+        while carried < BLOCKS_PER_RANK {
+            let p = skewed_prompt(&mut rng);
+            let last_sys = match has_prompt[p as usize] {
+                Some(h) => h,
+                None => {
+                    let n = sys_blocks(p);
+                    let mut parent = None;
+                    for start in (0..n).step_by(BLOCKS_PER_EVENT) {
+                        let k = BLOCKS_PER_EVENT.min(n - start);
+                        // Engines with one hash seed name equal content equally: use the prompt.
+                        let hashes: Vec<EngineHash> = (0..k)
+                            .map(|i| EngineHash(sys_seed(p) << 12 | (start + i) as u64))
+                            .collect();
+                        let tokens = (0..k as u64 * u64::from(BLOCK_SIZE))
+                            .map(|t| token(sys_seed(p), start as u64 * 16 + t))
+                            .collect();
+                        let last = hashes[k - 1];
+                        w.apply_event(id, &store_event(hashes, parent, tokens));
+                        parent = Some(last);
+                    }
+                    carried += n as u64;
+                    has_prompt[p as usize] = parent;
+                    parent.expect("prompt has blocks")
+                }
+            };
+            let tail = rng.random_range(16..=160usize);
+            let seed = conv_seed(rank, conv);
+            conv += 1;
+            let mut parent = Some(last_sys);
+            for start in (0..tail).step_by(BLOCKS_PER_EVENT) {
+                let k = BLOCKS_PER_EVENT.min(tail - start);
+                let hashes: Vec<EngineHash> = (0..k)
+                    .map(|_| {
+                        engine_seq += 1;
+                        EngineHash(engine_seq)
+                    })
+                    .collect();
+                let tokens = (0..k as u64 * u64::from(BLOCK_SIZE))
+                    .map(|t| token(seed, start as u64 * 16 + t))
+                    .collect();
+                let last = hashes[k - 1];
+                w.apply_event(id, &store_event(hashes, parent, tokens));
+                parent = Some(last);
+            }
+            carried += tail as u64;
+            convs.push(Conv {
+                prompt: p,
+                seed,
+                tail_blocks: tail,
+            });
+        }
+    }
+    let build_s = t_build.elapsed().as_secs_f64();
+    let convs_bytes = (convs.capacity() * std::mem::size_of::<Conv>()) as i64;
+    let index_bytes = LIVE_BYTES.load(Relaxed) - base_bytes - convs_bytes;
+    let carried = r.total_carried();
+    let nodes = r.node_count();
+    println!(
+        "index: {RANKS} ranks, {carried} carried (rank, block) pairs, {nodes} nodes, built in {build_s:.2} s ({:.2} M blocks/s incl. event construction)",
+        carried as f64 / build_s / 1e6
+    );
+    println!(
+        "memory: {} bytes allocated by the index = {:.1} bytes per carried pair ({:.1} per node)",
+        index_bytes,
+        index_bytes as f64 / carried as f64,
+        index_bytes as f64 / nodes as f64
+    );
+
+    // Queries: 8,192 tokens each. 50% continue an existing conversation, 30% start a known
+    // system prompt with new content, 20% are entirely new.
+    let mut prompts: Vec<Vec<u32>> = Vec::with_capacity(256);
+    for q in 0..256u64 {
+        let kind: f64 = rng.random();
+        let mut toks = Vec::with_capacity(PROMPT_BLOCKS * BLOCK_SIZE as usize);
+        if kind < 0.8 {
+            let c = convs[rng.random_range(0..convs.len())];
+            let n = sys_blocks(c.prompt) as u64 * 16;
+            toks.extend((0..n).map(|t| token(sys_seed(c.prompt), t)));
+            if kind < 0.5 {
+                toks.extend((0..c.tail_blocks as u64 * 16).map(|t| token(c.seed, t)));
+            }
+        }
+        let fresh = 9 << 40 | q;
+        let mut t = 0;
+        while toks.len() < PROMPT_BLOCKS * BLOCK_SIZE as usize {
+            toks.push(token(fresh, t));
+            t += 1;
+        }
+        toks.truncate(PROMPT_BLOCKS * BLOCK_SIZE as usize);
+        prompts.push(toks);
+    }
+    let mut hashes = Vec::with_capacity(PROMPT_BLOCKS);
+    let mut out = PrefixMatch::new();
+    let mut lat_ns = Vec::with_capacity(QUERIES);
+    let mut matched_sum = 0u64;
+    for i in 0..QUERIES + 2_000 {
+        let toks = &prompts[i % prompts.len()];
+        let t0 = Instant::now();
+        hash_token_blocks(toks, BLOCK_SIZE as usize, BASE_NAMESPACE, &mut hashes);
+        r.match_prefix(&hashes, &mut out);
+        let dt = t0.elapsed().as_nanos() as u64;
+        if i >= 2_000 {
+            lat_ns.push(dt);
+            matched_sum += u64::from(out.max_matched_blocks());
+        }
+    }
+    lat_ns.sort_unstable();
+    println!(
+        "match_prefix (8,192 tokens, hashing included, {} calls): p50 {:.2} us, p90 {:.2} us, p99 {:.2} us, p99.9 {:.2} us, max {:.2} us; mean best depth {:.0} blocks",
+        lat_ns.len(),
+        percentile(&lat_ns, 0.50) as f64 / 1e3,
+        percentile(&lat_ns, 0.90) as f64 / 1e3,
+        percentile(&lat_ns, 0.99) as f64 / 1e3,
+        percentile(&lat_ns, 0.999) as f64 / 1e3,
+        *lat_ns.last().expect("calls") as f64 / 1e3,
+        matched_sum as f64 / QUERIES as f64
+    );
+    let mut hash_only = Vec::with_capacity(2_000);
+    for toks in prompts.iter().cycle().take(2_000) {
+        let t0 = Instant::now();
+        hash_token_blocks(toks, BLOCK_SIZE as usize, BASE_NAMESPACE, &mut hashes);
+        hash_only.push(t0.elapsed().as_nanos() as u64);
+    }
+    hash_only.sort_unstable();
+    println!(
+        "  of which hash_token_blocks alone: p50 {:.2} us, p99 {:.2} us",
+        percentile(&hash_only, 0.5) as f64 / 1e3,
+        percentile(&hash_only, 0.99) as f64 / 1e3
+    );
+
+    // Export / restore, best of 3.
+    let mut best_export = f64::MAX;
+    let mut snap = None;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let s = r.export_snapshot();
+        best_export = best_export.min(t0.elapsed().as_secs_f64());
+        snap = Some(s);
+    }
+    let snap = snap.expect("exported");
+    assert_eq!(snap.nodes.carried_blocks() as u64, carried);
+    println!(
+        "export: {} nodes / {} carriers in {:.3} s = {:.1} M carried blocks/s",
+        snap.nodes.len(),
+        snap.nodes.carried_blocks(),
+        best_export,
+        carried as f64 / best_export / 1e6
+    );
+    drop(w);
+    drop(r);
+    let mut best_restore = f64::MAX;
+    for _ in 0..3 {
+        let (mut w2, r2) = PrefixIndex::new(IndexConfig {
+            max_carried_blocks: u64::MAX,
+            ..IndexConfig::new(BLOCK_SIZE)
+        });
+        let t0 = Instant::now();
+        w2.restore_snapshot(&snap).expect("own snapshot restores");
+        best_restore = best_restore.min(t0.elapsed().as_secs_f64());
+        assert_eq!(r2.total_carried(), carried);
+    }
+    println!(
+        "restore: {:.3} s = {:.1} M carried blocks/s",
+        best_restore,
+        carried as f64 / best_restore / 1e6
+    );
+}

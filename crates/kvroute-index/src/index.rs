@@ -1,0 +1,1341 @@
+//! The sharded prefix index: which rank carries which block, keyed by the router's own content hash.
+//!
+//! Shape and why:
+//! * **Flat map per shard, keyed by chained content hash.** Because a block's hash identifies its
+//!   whole prefix (see [`crate::hash`]), a request's block `i` is found by a direct lookup instead
+//!   of a child walk; the tree structure (parent index, child count, depth) is kept only for
+//!   pruning and for exporting parents before children.
+//! * **Shard = chain root.** A node lives in the shard chosen by its chain's ROOT block hash, so a
+//!   whole prefix lives in one shard: `match_prefix` takes one read lock for the whole walk and a
+//!   store event takes one write lock (per event, never longer), so a reader can never see half of
+//!   a store and never waits behind more than one event.
+//! * **Compact nodes.** Nodes sit in a per-shard slab (`Vec`) addressed by `u32`; the map holds
+//!   only slab indices (`HashTable<u32>`, 4 bytes a bucket). Each node has ONE inline carrier;
+//!   only nodes carried by several ranks (shared prefixes) spill to a per-shard list pool.
+//! * **Carrier = (rank, tiers, engine hash).** The engine hash is stored with the carrier rather
+//!   than recovered from the side maps at export: it costs 8 bytes per carried pair but lets the
+//!   export walk be a single linear pass over each shard's slab under bounded read locks, with no
+//!   reverse lookup into per-rank maps (which live with the writer and are not shared at all).
+//! * **Side map per rank** (engine hash -> node ref), writer-private: engines announce parents and
+//!   removals by their own hash, which the router never interprets.
+//! * **One writer, by type.** [`IndexWriter`] is not `Clone` and mutates through `&mut self`;
+//!   [`IndexReader`] is a cheap `Arc` clone. No async, no I/O, no threads.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+
+use hashbrown::{HashMap, HashTable};
+use kvroute_wire::event::{BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kvroute_wire::snapshot::{RankCursor, RankRef};
+use parking_lot::{Mutex, RwLock};
+
+use crate::hash::{chain_hash, namespace_seed};
+
+/// Tier bits, as in the snapshot format.
+pub const TIER_DEVICE: u8 = 1;
+pub const TIER_HOST: u8 = 2;
+pub const TIER_DISK: u8 = 4;
+pub const TIER_EXTERNAL: u8 = 8;
+pub const TIER_ALL: u8 = 0x0f;
+
+/// Rank ids share a `u32` with the 4 tier bits inside a carrier, so at most 2^28 - 1 ranks can
+/// ever be registered in one index's lifetime (ids are never reused).
+pub const MAX_RANK_IDS: u32 = (1 << 28) - 1;
+/// Largest shard count accepted (node refs pack the shard into the low bits of a `u32`).
+pub const MAX_SHARD_COUNT: usize = 256;
+/// Default number of shards.
+pub const DEFAULT_SHARD_COUNT: usize = 32;
+/// Default cap on carried (rank, block) pairs: ~50 M pairs is a few GB at most.
+pub const DEFAULT_MAX_CARRIED_BLOCKS: u64 = 50_000_000;
+/// Blocks of one removal event applied under one shard write lock before it is released, which
+/// bounds how long a reader can wait behind a huge removal.
+pub const MAX_BLOCKS_PER_LOCK: usize = 4096;
+/// Eviction brings the carried count down to this share of the cap so it runs rarely.
+pub const EVICT_TARGET_PERCENT: u64 = 95;
+
+const NONE: u32 = u32::MAX;
+const EMPTY_CARRIER: u32 = u32::MAX;
+const FREE_DEPTH: u32 = u32::MAX;
+
+/// Dense id of a registered rank. Never reused within one index's lifetime, so a stale id can
+/// only miss, never alias another rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RankId(pub u32);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Tokens per block; events with another block size are counted and skipped.
+    pub block_size: u32,
+    /// Power of two, 1..=[`MAX_SHARD_COUNT`]; other values are rounded up / clamped.
+    pub shard_count: usize,
+    /// Cap on carried (rank, block) pairs before least-recently-matched leaves are evicted.
+    pub max_carried_blocks: u64,
+}
+
+impl IndexConfig {
+    pub fn new(block_size: u32) -> Self {
+        Self {
+            block_size,
+            shard_count: DEFAULT_SHARD_COUNT,
+            max_carried_blocks: DEFAULT_MAX_CARRIED_BLOCKS,
+        }
+    }
+}
+
+/// Per-rank match result: contiguous depth from block 0 in any tier, and on device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankMatch {
+    pub rank: RankId,
+    pub matched_blocks: u32,
+    pub device_blocks: u32,
+}
+
+/// Reusable output buffer of [`IndexReader::match_prefix`]; keep one per routing thread.
+#[derive(Debug, Default, Clone)]
+pub struct PrefixMatch {
+    /// Ranks that match at least block 0, in no particular order.
+    pub ranks: Vec<RankMatch>,
+    /// Scratch: rank id -> position + 1 in `ranks` (0 = absent); all zero between calls.
+    slot: Vec<u32>,
+}
+
+impl PrefixMatch {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn get(&self, rank: RankId) -> Option<RankMatch> {
+        self.ranks.iter().find(|m| m.rank == rank).copied()
+    }
+
+    pub fn max_matched_blocks(&self) -> u32 {
+        self.ranks
+            .iter()
+            .map(|m| m.matched_blocks)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankStats {
+    /// Carried blocks (any tier).
+    pub carried_blocks: u64,
+    /// Carried blocks per tier: device, host, disk, external.
+    pub tier_blocks: [u64; 4],
+    /// Last applied batch; `RankCursor::rank` holds the local [`RankId`].
+    pub cursor: Option<RankCursor>,
+}
+
+/// Monotonic event counters (since creation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IndexCounters {
+    pub stored_blocks: u64,
+    pub removed_blocks: u64,
+    pub cleared_ranks: u64,
+    /// Blocks of a store whose parent engine hash the rank never announced (prefix unknown).
+    pub stored_unknown_parent_blocks: u64,
+    /// Removals of an engine hash the rank does not carry.
+    pub removed_unknown_blocks: u64,
+    /// Carriers dropped by the memory cap.
+    pub evicted_carriers: u64,
+    pub eviction_runs: u64,
+    /// Store events whose token count is neither `block_size * n` nor the bigram `2x`.
+    pub token_mismatch_events: u64,
+    /// Store events whose block size differs from the index's.
+    pub block_size_mismatch_events: u64,
+    /// Blocks stored in a medium this build does not know (ignored).
+    pub unknown_medium_stored_blocks: u64,
+    /// Blocks dropped because a shard's slab reached its addressable size.
+    pub shard_full_blocks: u64,
+    /// Events for a rank id that is not registered.
+    pub unknown_rank_events: u64,
+}
+
+#[derive(Default)]
+struct CounterCells {
+    stored_blocks: AtomicU64,
+    removed_blocks: AtomicU64,
+    cleared_ranks: AtomicU64,
+    stored_unknown_parent_blocks: AtomicU64,
+    removed_unknown_blocks: AtomicU64,
+    evicted_carriers: AtomicU64,
+    eviction_runs: AtomicU64,
+    token_mismatch_events: AtomicU64,
+    block_size_mismatch_events: AtomicU64,
+    unknown_medium_stored_blocks: AtomicU64,
+    shard_full_blocks: AtomicU64,
+    unknown_rank_events: AtomicU64,
+}
+
+/// Result of one [`IndexWriter::apply_batch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ApplyReport {
+    pub events: u32,
+    pub stored_blocks: u64,
+    pub removed_blocks: u64,
+    pub skipped_blocks: u64,
+    pub evicted_carriers: u64,
+}
+
+/// A carrier word: `rank << 4 | tiers`. [`EMPTY_CARRIER`] marks an unused inline slot. Words and
+/// engine hashes are stored in separate arrays so the routing path, which needs only the words,
+/// reads 4 bytes per carrier and can compare two nodes' carrier sets with one slice comparison.
+#[inline]
+pub(crate) fn word(rank: u32, tiers: u8) -> u32 {
+    (rank << 4) | u32::from(tiers & TIER_ALL)
+}
+#[inline]
+pub(crate) fn word_rank(w: u32) -> u32 {
+    w >> 4
+}
+#[inline]
+pub(crate) fn word_tiers(w: u32) -> u8 {
+    (w & 0x0f) as u8
+}
+
+pub(crate) struct Node {
+    pub(crate) hash: u64,
+    inline_engine: u64,
+    inline_word: u32,
+    /// Slab index of the parent in the same shard, or [`NONE`] for a chain root.
+    pub(crate) parent: u32,
+    children: u32,
+    /// Blocks from the root (root = 0); [`FREE_DEPTH`] marks a free slab slot.
+    pub(crate) depth: u32,
+    /// Index into the shard's list pool when the node has several carriers (then ALL of them
+    /// live there and the inline slot is unused), else [`NONE`].
+    overflow: u32,
+    /// Clock value of the last match or store touching the node; eviction picks the oldest.
+    stamp: AtomicU32,
+}
+
+/// Carriers of a multi-carrier node, as two parallel arrays.
+#[derive(Default)]
+struct CarrierList {
+    words: Vec<u32>,
+    engines: Vec<u64>,
+}
+
+pub(crate) struct Shard {
+    pub(crate) nodes: Vec<Node>,
+    free: Vec<u32>,
+    by_hash: HashTable<u32>,
+    lists: Vec<CarrierList>,
+    free_lists: Vec<u32>,
+    /// Bumped by every write, so the exporter can tell whether a shard moved between chunks.
+    pub(crate) mutations: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CarrierChange {
+    Added,
+    TiersAdded,
+    Unchanged,
+}
+
+impl Shard {
+    fn new() -> Self {
+        Self {
+            nodes: Vec::new(),
+            free: Vec::new(),
+            by_hash: HashTable::new(),
+            lists: Vec::new(),
+            free_lists: Vec::new(),
+            mutations: 0,
+        }
+    }
+
+    pub(crate) fn reserve_nodes(&mut self, additional: usize) {
+        self.nodes.reserve(additional);
+        let nodes = &self.nodes;
+        self.by_hash
+            .reserve(additional, |&i| nodes[i as usize].hash);
+    }
+
+    #[inline]
+    pub(crate) fn find(&self, hash: u64) -> Option<u32> {
+        let nodes = &self.nodes;
+        self.by_hash
+            .find(hash, |&i| nodes[i as usize].hash == hash)
+            .copied()
+    }
+
+    /// The node's carrier words (see [`word`]).
+    #[inline]
+    pub(crate) fn words<'a>(&'a self, node: &'a Node) -> &'a [u32] {
+        if node.overflow != NONE {
+            &self.lists[node.overflow as usize].words
+        } else if node.inline_word != EMPTY_CARRIER {
+            std::slice::from_ref(&node.inline_word)
+        } else {
+            &[]
+        }
+    }
+
+    /// The node's carrier words and engine hashes, index-aligned.
+    #[inline]
+    pub(crate) fn carriers<'a>(&'a self, node: &'a Node) -> (&'a [u32], &'a [u64]) {
+        if node.overflow != NONE {
+            let l = &self.lists[node.overflow as usize];
+            (&l.words, &l.engines)
+        } else if node.inline_word != EMPTY_CARRIER {
+            (
+                std::slice::from_ref(&node.inline_word),
+                std::slice::from_ref(&node.inline_engine),
+            )
+        } else {
+            (&[], &[])
+        }
+    }
+
+    /// Finds or creates the node for `hash` under `parent`; `None` when the slab is full.
+    fn find_or_create(&mut self, hash: u64, parent: u32, max_nodes: u32, clock: u32) -> Option<u32> {
+        if let Some(i) = self.find(hash) {
+            return Some(i);
+        }
+        let depth = if parent == NONE {
+            0
+        } else {
+            self.nodes[parent as usize].depth + 1
+        };
+        let node = Node {
+            hash,
+            inline_engine: 0,
+            inline_word: EMPTY_CARRIER,
+            parent,
+            children: 0,
+            depth,
+            overflow: NONE,
+            stamp: AtomicU32::new(clock),
+        };
+        let idx = if let Some(i) = self.free.pop() {
+            self.nodes[i as usize] = node;
+            i
+        } else {
+            if self.nodes.len() >= max_nodes as usize {
+                return None;
+            }
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as u32
+        };
+        if parent != NONE {
+            self.nodes[parent as usize].children += 1;
+        }
+        let nodes = &self.nodes;
+        self.by_hash
+            .insert_unique(hash, idx, |&i| nodes[i as usize].hash);
+        Some(idx)
+    }
+
+    /// Adds `tiers` for `rank`; returns the change, the tiers before, and the carrier's previous
+    /// engine hash when it differed (the engine re-announced the same content under a new hash).
+    fn add_carrier(
+        &mut self,
+        idx: u32,
+        rank: u32,
+        tiers: u8,
+        engine: u64,
+    ) -> (CarrierChange, u8, Option<u64>) {
+        let node = &mut self.nodes[idx as usize];
+        if node.overflow == NONE {
+            if node.inline_word == EMPTY_CARRIER {
+                node.inline_word = word(rank, tiers);
+                node.inline_engine = engine;
+                return (CarrierChange::Added, 0, None);
+            }
+            if word_rank(node.inline_word) == rank {
+                return update_carrier(&mut node.inline_word, &mut node.inline_engine, tiers, engine);
+            }
+            let (first_word, first_engine) = (node.inline_word, node.inline_engine);
+            let list_idx = match self.free_lists.pop() {
+                Some(l) => l,
+                None => {
+                    self.lists.push(CarrierList::default());
+                    (self.lists.len() - 1) as u32
+                }
+            };
+            let list = &mut self.lists[list_idx as usize];
+            list.words.clear();
+            list.engines.clear();
+            list.words.extend([first_word, word(rank, tiers)]);
+            list.engines.extend([first_engine, engine]);
+            node.inline_word = EMPTY_CARRIER;
+            node.inline_engine = 0;
+            node.overflow = list_idx;
+            return (CarrierChange::Added, 0, None);
+        }
+        let list = &mut self.lists[node.overflow as usize];
+        if let Some(pos) = list.words.iter().position(|&w| word_rank(w) == rank) {
+            return update_carrier(&mut list.words[pos], &mut list.engines[pos], tiers, engine);
+        }
+        list.words.push(word(rank, tiers));
+        list.engines.push(engine);
+        (CarrierChange::Added, 0, None)
+    }
+
+    /// Clears `mask` from `rank`'s carrier (if its engine hash is `engine`, when given). Returns
+    /// the carrier's tiers before and after and its engine hash, or `None` when the rank does
+    /// not carry the node.
+    fn clear_carrier(
+        &mut self,
+        idx: u32,
+        rank: u32,
+        mask: u8,
+        engine: Option<u64>,
+    ) -> Option<(u8, u8, u64)> {
+        let node = &mut self.nodes[idx as usize];
+        if node.depth == FREE_DEPTH {
+            return None;
+        }
+        if node.overflow == NONE {
+            if node.inline_word == EMPTY_CARRIER
+                || word_rank(node.inline_word) != rank
+                || engine.is_some_and(|e| e != node.inline_engine)
+            {
+                return None;
+            }
+            let before = word_tiers(node.inline_word);
+            let after = before & !mask;
+            let eng = node.inline_engine;
+            if after == 0 {
+                node.inline_word = EMPTY_CARRIER;
+                node.inline_engine = 0;
+            } else {
+                node.inline_word = word(rank, after);
+            }
+            return Some((before, after, eng));
+        }
+        let list_idx = node.overflow as usize;
+        let list = &mut self.lists[list_idx];
+        let pos = list.words.iter().zip(&list.engines).position(|(&w, &e)| {
+            word_rank(w) == rank && engine.is_none_or(|x| x == e)
+        })?;
+        let before = word_tiers(list.words[pos]);
+        let after = before & !mask;
+        let eng = list.engines[pos];
+        if after != 0 {
+            list.words[pos] = word(rank, after);
+            return Some((before, after, eng));
+        }
+        // Order-preserving removal keeps sibling nodes' lists comparable (see `match_prefix`).
+        list.words.remove(pos);
+        list.engines.remove(pos);
+        if list.words.len() <= 1 {
+            node.inline_word = list.words.pop().unwrap_or(EMPTY_CARRIER);
+            node.inline_engine = list.engines.pop().unwrap_or(0);
+            node.overflow = NONE;
+            if list.words.capacity() > 8 {
+                *list = CarrierList::default();
+            }
+            self.free_lists.push(list_idx as u32);
+        }
+        Some((before, after, eng))
+    }
+
+    /// Removes nodes with no carriers and no children, walking up from `idx`.
+    fn prune(&mut self, mut idx: u32) {
+        loop {
+            let node = &self.nodes[idx as usize];
+            if node.depth == FREE_DEPTH
+                || node.children != 0
+                || node.overflow != NONE
+                || node.inline_word != EMPTY_CARRIER
+            {
+                return;
+            }
+            let (hash, parent) = (node.hash, node.parent);
+            let nodes = &self.nodes;
+            if let Ok(entry) = self
+                .by_hash
+                .find_entry(hash, |&i| nodes[i as usize].hash == hash)
+            {
+                entry.remove();
+            }
+            let node = &mut self.nodes[idx as usize];
+            node.depth = FREE_DEPTH;
+            node.parent = NONE;
+            self.free.push(idx);
+            if parent == NONE {
+                return;
+            }
+            self.nodes[parent as usize].children -= 1;
+            idx = parent;
+        }
+    }
+}
+
+fn update_carrier(
+    w: &mut u32,
+    e: &mut u64,
+    tiers: u8,
+    engine: u64,
+) -> (CarrierChange, u8, Option<u64>) {
+    let before = word_tiers(*w);
+    let old_engine = *e;
+    *w = word(word_rank(*w), before | tiers);
+    *e = engine;
+    let change = if before | tiers != before {
+        CarrierChange::TiersAdded
+    } else {
+        CarrierChange::Unchanged
+    };
+    (change, before, (old_engine != engine).then_some(old_engine))
+}
+
+pub(crate) struct RankShared {
+    pub(crate) rank_ref: RankRef,
+    carried: AtomicU64,
+    tiers: [AtomicU64; 4],
+    cursor: Mutex<Option<(i64, f64)>>,
+}
+
+impl RankShared {
+    pub(crate) fn cursor(&self) -> Option<(i64, f64)> {
+        *self.cursor.lock()
+    }
+}
+
+pub(crate) struct Shared {
+    pub(crate) cfg: IndexConfig,
+    shard_shift: u32,
+    shard_bits: u32,
+    max_nodes_per_shard: u32,
+    pub(crate) shards: Box<[RwLock<Shard>]>,
+    pub(crate) ranks: RwLock<Vec<Option<Arc<RankShared>>>>,
+    total_carried: AtomicU64,
+    clock: AtomicU32,
+    counters: CounterCells,
+}
+
+impl Shared {
+    /// Fibonacci hashing of the root block's content hash picks the shard.
+    #[inline]
+    pub(crate) fn shard_of_root(&self, root_hash: u64) -> usize {
+        if self.shard_bits == 0 {
+            0
+        } else {
+            (root_hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shard_shift) as usize
+        }
+    }
+    pub(crate) fn total_carried_hint(&self) -> u64 {
+        self.total_carried.load(Relaxed)
+    }
+    #[inline]
+    pub(crate) fn node_ref(&self, shard: usize, idx: u32) -> u32 {
+        (idx << self.shard_bits) | shard as u32
+    }
+    #[inline]
+    pub(crate) fn split_ref(&self, node_ref: u32) -> (usize, u32) {
+        (
+            (node_ref & ((1 << self.shard_bits) - 1)) as usize,
+            node_ref >> self.shard_bits,
+        )
+    }
+}
+
+/// The single writer. Not `Clone`; every mutation takes `&mut self`.
+pub struct IndexWriter {
+    pub(crate) shared: Arc<Shared>,
+    ranks: Vec<Option<WriterRank>>,
+    by_ref: HashMap<RankRef, RankId>,
+    token_scratch: Vec<u32>,
+}
+
+struct WriterRank {
+    side: HashTable<SideEntry>,
+    stats: Arc<RankShared>,
+}
+
+/// Side map entry: engine hash -> packed node ref; 12 bytes so the map stays small.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct SideEntry {
+    engine: [u32; 2],
+    node_ref: u32,
+}
+
+impl SideEntry {
+    fn new(engine: u64, node_ref: u32) -> Self {
+        Self {
+            engine: [engine as u32, (engine >> 32) as u32],
+            node_ref,
+        }
+    }
+    #[inline]
+    fn engine(&self) -> u64 {
+        u64::from(self.engine[0]) | (u64::from(self.engine[1]) << 32)
+    }
+}
+
+/// Engine hashes need not be uniform (a simulator may count 1, 2, 3): mix before bucketing.
+#[inline]
+fn mix_engine(h: u64) -> u64 {
+    let mut z = h.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn side_get(side: &HashTable<SideEntry>, engine: u64) -> Option<u32> {
+    side.find(mix_engine(engine), |e| e.engine() == engine)
+        .map(|e| e.node_ref)
+}
+
+/// Inserts or replaces; returns the previous node ref.
+fn side_put(side: &mut HashTable<SideEntry>, engine: u64, node_ref: u32) -> Option<u32> {
+    match side.entry(
+        mix_engine(engine),
+        |e| e.engine() == engine,
+        |e| mix_engine(e.engine()),
+    ) {
+        hashbrown::hash_table::Entry::Occupied(mut o) => {
+            let old = o.get().node_ref;
+            o.get_mut().node_ref = node_ref;
+            Some(old)
+        }
+        hashbrown::hash_table::Entry::Vacant(v) => {
+            v.insert(SideEntry::new(engine, node_ref));
+            None
+        }
+    }
+}
+
+fn side_remove_if(side: &mut HashTable<SideEntry>, engine: u64, node_ref: u32) {
+    if let Ok(o) = side.find_entry(mix_engine(engine), |e| {
+        e.engine() == engine && e.node_ref == node_ref
+    }) {
+        o.remove();
+    }
+}
+
+/// Pending per-rank stat deltas, flushed once per event to keep atomics off the per-block path.
+#[derive(Default)]
+struct Delta {
+    carried: i64,
+    tiers: [i64; 4],
+}
+
+impl Delta {
+    fn record(&mut self, before: u8, after: u8) {
+        if before == 0 && after != 0 {
+            self.carried += 1;
+        } else if before != 0 && after == 0 {
+            self.carried -= 1;
+        }
+        for (b, t) in self.tiers.iter_mut().enumerate() {
+            let bit = 1u8 << b;
+            match (before & bit != 0, after & bit != 0) {
+                (false, true) => *t += 1,
+                (true, false) => *t -= 1,
+                _ => {}
+            }
+        }
+    }
+    fn flush(&mut self, rank: &RankShared, total: &AtomicU64) {
+        add_signed(&rank.carried, self.carried);
+        add_signed(total, self.carried);
+        for (cell, d) in rank.tiers.iter().zip(self.tiers) {
+            add_signed(cell, d);
+        }
+        *self = Delta::default();
+    }
+}
+
+fn add_signed(cell: &AtomicU64, d: i64) {
+    if d > 0 {
+        cell.fetch_add(d as u64, Relaxed);
+    } else if d < 0 {
+        cell.fetch_sub(d.unsigned_abs(), Relaxed);
+    }
+}
+
+fn medium_bit(m: Option<Medium>) -> Option<u8> {
+    match m {
+        None | Some(Medium::Device) => Some(TIER_DEVICE),
+        Some(Medium::Host) => Some(TIER_HOST),
+        Some(Medium::Disk) => Some(TIER_DISK),
+        Some(Medium::External) => Some(TIER_EXTERNAL),
+        Some(Medium::Unknown) => None,
+    }
+}
+
+/// Read-only handle for routing and export. Clone freely.
+#[derive(Clone)]
+pub struct IndexReader {
+    pub(crate) shared: Arc<Shared>,
+}
+
+/// Entry point: builds an empty index and its two handles.
+pub struct PrefixIndex;
+
+impl PrefixIndex {
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(cfg: IndexConfig) -> (IndexWriter, IndexReader) {
+        let shard_count = cfg
+            .shard_count
+            .clamp(1, MAX_SHARD_COUNT)
+            .next_power_of_two();
+        let shard_bits = shard_count.trailing_zeros();
+        let cfg = IndexConfig { shard_count, ..cfg };
+        let shared = Arc::new(Shared {
+            cfg,
+            shard_shift: 64 - shard_bits,
+            shard_bits,
+            max_nodes_per_shard: ((1u64 << (32 - shard_bits)) - 1) as u32,
+            shards: (0..shard_count)
+                .map(|_| RwLock::new(Shard::new()))
+                .collect(),
+            ranks: RwLock::new(Vec::new()),
+            total_carried: AtomicU64::new(0),
+            clock: AtomicU32::new(1),
+            counters: CounterCells::default(),
+        });
+        (
+            IndexWriter {
+                shared: shared.clone(),
+                ranks: Vec::new(),
+                by_ref: HashMap::new(),
+                token_scratch: Vec::new(),
+            },
+            IndexReader { shared },
+        )
+    }
+}
+
+impl IndexWriter {
+    pub fn reader(&self) -> IndexReader {
+        IndexReader {
+            shared: self.shared.clone(),
+        }
+    }
+
+    pub fn config(&self) -> IndexConfig {
+        self.shared.cfg
+    }
+
+    /// Registers `rank_ref` (idempotent: the same ref returns the same id while registered).
+    pub fn add_rank(&mut self, rank_ref: RankRef) -> RankId {
+        if let Some(&id) = self.by_ref.get(&rank_ref) {
+            return id;
+        }
+        // Beyond MAX_RANK_IDS registrations (2^28) ids would collide with the tier bits; that
+        // many registrations in one process is not a realistic input, so it saturates loudly in
+        // debug builds only.
+        debug_assert!((self.ranks.len() as u32) < MAX_RANK_IDS);
+        let id = RankId(self.ranks.len() as u32);
+        let stats = Arc::new(RankShared {
+            rank_ref: rank_ref.clone(),
+            carried: AtomicU64::new(0),
+            tiers: Default::default(),
+            cursor: Mutex::new(None),
+        });
+        self.ranks.push(Some(WriterRank {
+            side: HashTable::new(),
+            stats: stats.clone(),
+        }));
+        self.shared.ranks.write().push(Some(stats));
+        self.by_ref.insert(rank_ref, id);
+        id
+    }
+
+    pub fn rank_id(&self, rank_ref: &RankRef) -> Option<RankId> {
+        self.by_ref.get(rank_ref).copied()
+    }
+
+    /// Drops every carrier of `rank` (AllBlocksCleared, publisher reset). Keeps its cursor.
+    pub fn clear_rank(&mut self, rank: RankId) {
+        let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) else {
+            return;
+        };
+        let mut entries: Vec<SideEntry> = wr.side.drain().collect();
+        let stats = wr.stats.clone();
+        // Grouped by shard so each shard's write lock is taken a bounded number of times.
+        entries.sort_unstable_by_key(|e| e.node_ref & ((1 << self.shared.shard_bits) - 1));
+        let mut delta = Delta::default();
+        const CLEAR_CHUNK_BLOCKS: usize = 1024;
+        for chunk in entries.chunks(CLEAR_CHUNK_BLOCKS) {
+            let mut i = 0;
+            while i < chunk.len() {
+                let (shard_idx, _) = self.shared.split_ref(chunk[i].node_ref);
+                let mut shard = self.shared.shards[shard_idx].write();
+                shard.mutations += 1;
+                while i < chunk.len() {
+                    let (s, idx) = self.shared.split_ref(chunk[i].node_ref);
+                    if s != shard_idx {
+                        break;
+                    }
+                    if let Some((before, after, _)) =
+                        shard.clear_carrier(idx, rank.0, TIER_ALL, Some(chunk[i].engine()))
+                    {
+                        delta.record(before, after);
+                        shard.prune(idx);
+                    }
+                    i += 1;
+                }
+            }
+        }
+        delta.flush(&stats, &self.shared.total_carried);
+        self.shared.counters.cleared_ranks.fetch_add(1, Relaxed);
+    }
+
+    /// Clears the rank and forgets it; its id is never handed out again.
+    pub fn remove_rank(&mut self, rank: RankId) {
+        if !matches!(self.ranks.get(rank.0 as usize), Some(Some(_))) {
+            return;
+        }
+        self.clear_rank(rank);
+        self.shared.counters.cleared_ranks.fetch_sub(1, Relaxed);
+        if let Some(slot) = self.ranks.get_mut(rank.0 as usize)
+            && let Some(wr) = slot.take()
+        {
+            self.by_ref.remove(&wr.stats.rank_ref);
+        }
+        if let Some(slot) = self.shared.ranks.write().get_mut(rank.0 as usize) {
+            *slot = None;
+        }
+    }
+
+    pub fn set_cursor(&mut self, rank: RankId, cursor: Option<(i64, f64)>) {
+        if let Some(Some(wr)) = self.ranks.get(rank.0 as usize) {
+            *wr.stats.cursor.lock() = cursor;
+        }
+    }
+
+    /// Applies every event, evicts if over the cap, then records `(seq, batch.ts)` as the rank's
+    /// cursor (last, so an exporter that sees the new cursor also sees the events' effects).
+    pub fn apply_batch(&mut self, rank: RankId, seq: i64, batch: &EventBatch) -> ApplyReport {
+        let mut report = ApplyReport::default();
+        for ev in &batch.events {
+            self.apply_event_inner(rank, ev, &mut report);
+        }
+        report.evicted_carriers = self.enforce_cap();
+        self.set_cursor(rank, Some((seq, batch.ts)));
+        report
+    }
+
+    pub fn apply_event(&mut self, rank: RankId, event: &KvEvent) -> ApplyReport {
+        let mut report = ApplyReport::default();
+        self.apply_event_inner(rank, event, &mut report);
+        report.evicted_carriers = self.enforce_cap();
+        report
+    }
+
+    fn apply_event_inner(&mut self, rank: RankId, event: &KvEvent, report: &mut ApplyReport) {
+        report.events += 1;
+        if !matches!(self.ranks.get(rank.0 as usize), Some(Some(_))) {
+            self.shared
+                .counters
+                .unknown_rank_events
+                .fetch_add(1, Relaxed);
+            return;
+        }
+        self.shared.clock.fetch_add(1, Relaxed);
+        match event {
+            KvEvent::BlockStored(s) => self.store(rank, s, report),
+            KvEvent::BlockRemoved(r) => self.remove(rank, r, report),
+            KvEvent::AllBlocksCleared => self.clear_rank(rank),
+        }
+    }
+
+    fn store(&mut self, rank: RankId, s: &BlockStored, report: &mut ApplyReport) {
+        let n = s.block_hashes.len();
+        if n == 0 {
+            return;
+        }
+        let c = &self.shared.counters;
+        let bs = self.shared.cfg.block_size as usize;
+        if s.block_size as usize != bs || bs == 0 {
+            c.block_size_mismatch_events.fetch_add(1, Relaxed);
+            report.skipped_blocks += n as u64;
+            return;
+        }
+        let Some(tier) = medium_bit(s.medium) else {
+            c.unknown_medium_stored_blocks.fetch_add(n as u64, Relaxed);
+            report.skipped_blocks += n as u64;
+            return;
+        };
+        let want = bs.checked_mul(n);
+        let mut tokens = std::mem::take(&mut self.token_scratch);
+        tokens.clear();
+        let token_ids: &[u32] = if Some(s.token_ids.len()) == want {
+            &s.token_ids
+        } else if want.and_then(|w| w.checked_mul(2)) == Some(s.token_ids.len()) {
+            // Speculative-decoding engines (SGLang EAGLE bigram) send (t_i, t_{i+1}) pairs; the
+            // first element of each pair is the block's own token sequence.
+            tokens.extend(s.token_ids.iter().step_by(2));
+            &tokens
+        } else {
+            c.token_mismatch_events.fetch_add(1, Relaxed);
+            report.skipped_blocks += n as u64;
+            self.token_scratch = tokens;
+            return;
+        };
+
+        let shared = self.shared.clone();
+        let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) else {
+            self.token_scratch = tokens;
+            return;
+        };
+        let (shard_idx, mut parent_idx) = match s.parent_block_hash {
+            None => {
+                let seed = namespace_seed(s.lora_name.as_deref(), s.lora_id);
+                let h0 = chain_hash(seed, &token_ids[..bs], extra_at(&s.extra_keys, 0));
+                (shared.shard_of_root(h0), NONE)
+            }
+            Some(p) => match side_get(&wr.side, p.0) {
+                Some(r) => shared.split_ref(r),
+                None => {
+                    c.stored_unknown_parent_blocks.fetch_add(n as u64, Relaxed);
+                    report.skipped_blocks += n as u64;
+                    self.token_scratch = tokens;
+                    return;
+                }
+            },
+        };
+        let clock = shared.clock.load(Relaxed);
+        let mut delta = Delta::default();
+        let mut displaced: Vec<(u64, u32)> = Vec::new();
+        let mut stored = 0u64;
+        {
+            let mut shard = shared.shards[shard_idx].write();
+            shard.mutations += 1;
+            let mut parent_hash = if parent_idx == NONE {
+                namespace_seed(s.lora_name.as_deref(), s.lora_id)
+            } else {
+                match shard.nodes.get(parent_idx as usize) {
+                    Some(p) if p.depth != FREE_DEPTH => p.hash,
+                    _ => {
+                        // Side maps never point at freed nodes; stay safe if that ever breaks.
+                        c.stored_unknown_parent_blocks.fetch_add(n as u64, Relaxed);
+                        report.skipped_blocks += n as u64;
+                        drop(shard);
+                        self.token_scratch = tokens;
+                        return;
+                    }
+                }
+            };
+            for (i, (engine, block)) in s
+                .block_hashes
+                .iter()
+                .zip(token_ids.chunks_exact(bs))
+                .enumerate()
+            {
+                let h = chain_hash(parent_hash, block, extra_at(&s.extra_keys, i));
+                let Some(idx) =
+                    shard.find_or_create(h, parent_idx, shared.max_nodes_per_shard, clock)
+                else {
+                    c.shard_full_blocks.fetch_add((n - i) as u64, Relaxed);
+                    report.skipped_blocks += (n - i) as u64;
+                    break;
+                };
+                shard.nodes[idx as usize].stamp.store(clock, Relaxed);
+                let (change, before, old_engine) = shard.add_carrier(idx, rank.0, tier, engine.0);
+                if change != CarrierChange::Unchanged {
+                    delta.record(before, before | tier);
+                }
+                let node_ref = shared.node_ref(shard_idx, idx);
+                if let Some(old) = old_engine {
+                    // Same content, new engine hash: the old hash no longer names this carrier.
+                    side_remove_if(&mut wr.side, old, node_ref);
+                }
+                if let Some(prev) = side_put(&mut wr.side, engine.0, node_ref)
+                    && prev != node_ref
+                {
+                    displaced.push((engine.0, prev));
+                }
+                stored += 1;
+                parent_hash = h;
+                parent_idx = idx;
+            }
+        }
+        // The engine reused a hash for other content: its old carrier can no longer be removed
+        // by hash, so drop it now rather than leak it until eviction.
+        for (engine, prev) in displaced {
+            let (s_idx, idx) = shared.split_ref(prev);
+            let mut shard = shared.shards[s_idx].write();
+            shard.mutations += 1;
+            if let Some((before, after, _)) =
+                shard.clear_carrier(idx, rank.0, TIER_ALL, Some(engine))
+            {
+                delta.record(before, after);
+                shard.prune(idx);
+            }
+        }
+        delta.flush(&wr.stats, &shared.total_carried);
+        c.stored_blocks.fetch_add(stored, Relaxed);
+        report.stored_blocks += stored;
+        self.token_scratch = tokens;
+    }
+
+    fn remove(&mut self, rank: RankId, r: &BlockRemoved, report: &mut ApplyReport) {
+        let shared = self.shared.clone();
+        let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) else {
+            return;
+        };
+        let mask = match r.medium {
+            None | Some(Medium::Unknown) => TIER_ALL,
+            Some(m) => medium_bit(Some(m)).unwrap_or(TIER_ALL),
+        };
+        let mut delta = Delta::default();
+        let (mut removed, mut unknown) = (0u64, 0u64);
+        // One write lock per run of blocks in the same shard (a chain lives in one shard), so a
+        // reader sees a removal event's chain either whole or gone, never half removed.
+        let mut held: Option<(usize, parking_lot::RwLockWriteGuard<'_, Shard>, usize)> = None;
+        for engine in &r.block_hashes {
+            let Some(node_ref) = side_get(&wr.side, engine.0) else {
+                unknown += 1;
+                continue;
+            };
+            let (s_idx, idx) = shared.split_ref(node_ref);
+            let reuse = matches!(&held, Some((s, _, n)) if *s == s_idx && *n < MAX_BLOCKS_PER_LOCK);
+            if !reuse {
+                drop(held.take());
+                let mut g = shared.shards[s_idx].write();
+                g.mutations += 1;
+                held = Some((s_idx, g, 0));
+            }
+            let Some((_, shard, n)) = held.as_mut() else {
+                continue;
+            };
+            *n += 1;
+            match shard.clear_carrier(idx, rank.0, mask, Some(engine.0)) {
+                Some((before, after, _)) => {
+                    delta.record(before, after);
+                    removed += 1;
+                    if after == 0 {
+                        shard.prune(idx);
+                        side_remove_if(&mut wr.side, engine.0, node_ref);
+                    }
+                }
+                None => {
+                    // Defensive: a side entry without its carrier is stale; drop it.
+                    side_remove_if(&mut wr.side, engine.0, node_ref);
+                    unknown += 1;
+                }
+            }
+        }
+        drop(held);
+        delta.flush(&wr.stats, &shared.total_carried);
+        shared.counters.removed_blocks.fetch_add(removed, Relaxed);
+        shared
+            .counters
+            .removed_unknown_blocks
+            .fetch_add(unknown, Relaxed);
+        report.removed_blocks += removed;
+        report.skipped_blocks += unknown;
+    }
+
+    /// Evicts least-recently-matched leaf carriers while over the cap; returns carriers evicted.
+    pub fn enforce_cap(&mut self) -> u64 {
+        let cap = self.shared.cfg.max_carried_blocks;
+        if self.shared.total_carried.load(Relaxed) <= cap {
+            return 0;
+        }
+        let target = (cap / 100).saturating_mul(EVICT_TARGET_PERCENT)
+            + (cap % 100) * EVICT_TARGET_PERCENT / 100;
+        self.shared.counters.eviction_runs.fetch_add(1, Relaxed);
+        let shared = self.shared.clone();
+        let mut evicted = 0u64;
+        while shared.total_carried.load(Relaxed) > target {
+            // (stamp, shard, idx) of every leaf that has carriers.
+            let mut leaves: Vec<(u32, u32, u32)> = Vec::new();
+            for (s_idx, lock) in shared.shards.iter().enumerate() {
+                let shard = lock.read();
+                for (i, node) in shard.nodes.iter().enumerate() {
+                    if node.depth != FREE_DEPTH
+                        && node.children == 0
+                        && !shard.words(node).is_empty()
+                    {
+                        leaves.push((node.stamp.load(Relaxed), s_idx as u32, i as u32));
+                    }
+                }
+            }
+            if leaves.is_empty() {
+                break;
+            }
+            leaves.sort_unstable();
+            let mut progressed = false;
+            for (_, s_idx, idx) in leaves {
+                if shared.total_carried.load(Relaxed) <= target {
+                    break;
+                }
+                let mut shard = shared.shards[s_idx as usize].write();
+                shard.mutations += 1;
+                let node = &shard.nodes[idx as usize];
+                let carriers: Vec<u32> = shard.words(node).to_vec();
+                let node_ref = shared.node_ref(s_idx as usize, idx);
+                for w in carriers {
+                    let rank = word_rank(w);
+                    if let Some((before, after, eng)) =
+                        shard.clear_carrier(idx, rank, TIER_ALL, None)
+                        && let Some(Some(wr)) = self.ranks.get_mut(rank as usize)
+                    {
+                        side_remove_if(&mut wr.side, eng, node_ref);
+                        let mut d = Delta::default();
+                        d.record(before, after);
+                        d.flush(&wr.stats, &shared.total_carried);
+                        evicted += 1;
+                        progressed = true;
+                    }
+                }
+                shard.prune(idx);
+            }
+            if !progressed {
+                break;
+            }
+        }
+        shared.counters.evicted_carriers.fetch_add(evicted, Relaxed);
+        evicted
+    }
+
+    /// Adds a carrier during restore; `parent` is a node ref or `None` for a root.
+    pub(crate) fn restore_carrier(
+        &mut self,
+        rank: RankId,
+        node_ref: u32,
+        tiers: u8,
+        engine: u64,
+        shard: &mut Shard,
+        delta_tiers: &mut RestoreDelta,
+    ) {
+        let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) else {
+            return;
+        };
+        let (_, idx) = self.shared.split_ref(node_ref);
+        let (change, before, old_engine) = shard.add_carrier(idx, rank.0, tiers, engine);
+        if change != CarrierChange::Unchanged {
+            delta_tiers.record(rank, before, before | tiers);
+        }
+        if let Some(old) = old_engine {
+            side_remove_if(&mut wr.side, old, node_ref);
+        }
+        side_put(&mut wr.side, engine, node_ref);
+    }
+
+    pub(crate) fn flush_restore_delta(&mut self, d: &mut RestoreDelta) {
+        for (rank, delta) in d.per_rank.iter_mut().enumerate() {
+            if let Some(Some(wr)) = self.ranks.get(rank) {
+                delta.flush(&wr.stats, &self.shared.total_carried);
+            }
+        }
+        d.per_rank.clear();
+    }
+
+    /// Pre-sizes a rank's side map and every shard for a restore of known size, so the bulk
+    /// insert does not rehash repeatedly.
+    pub(crate) fn reserve_for_restore(&mut self, per_rank: &[(RankId, usize)], nodes: usize) {
+        for &(rank, n) in per_rank {
+            if let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) {
+                wr.side.reserve(n, |e| mix_engine(e.engine()));
+            }
+        }
+        let per_shard = nodes / self.shared.shards.len() + nodes / self.shared.shards.len() / 8;
+        for s in self.shared.shards.iter() {
+            s.write().reserve_nodes(per_shard);
+        }
+    }
+
+    pub(crate) fn find_or_create_in(
+        &self,
+        shard: &mut Shard,
+        hash: u64,
+        parent: u32,
+    ) -> Option<u32> {
+        let clock = self.shared.clock.load(Relaxed);
+        shard.find_or_create(hash, parent, self.shared.max_nodes_per_shard, clock)
+    }
+
+    pub(crate) fn count_shard_full(&self, blocks: u64) {
+        self.shared
+            .counters
+            .shard_full_blocks
+            .fetch_add(blocks, Relaxed);
+    }
+
+    pub(crate) fn cursor_of(&self, rank: RankId) -> Option<(i64, f64)> {
+        match self.ranks.get(rank.0 as usize) {
+            Some(Some(wr)) => wr.stats.cursor(),
+            _ => None,
+        }
+    }
+}
+
+/// Per-rank stat deltas of a restore, indexed by rank id, flushed once at the end.
+#[derive(Default)]
+pub(crate) struct RestoreDelta {
+    per_rank: Vec<Delta>,
+}
+
+impl RestoreDelta {
+    fn record(&mut self, rank: RankId, before: u8, after: u8) {
+        let i = rank.0 as usize;
+        if self.per_rank.len() <= i {
+            self.per_rank.resize_with(i + 1, Delta::default);
+        }
+        self.per_rank[i].record(before, after);
+    }
+}
+
+/// Applies `pending` extra blocks to every rank of a run (see `match_prefix`): each advances its
+/// any-tier depth, and its device depth too when that was still contiguous and the rank's word
+/// has the device bit (words are identical along the run, so the tiers are too).
+#[inline]
+fn flush_run(out: &mut PrefixMatch, words: &[u32], pending: &mut u32) {
+    if *pending == 0 {
+        return;
+    }
+    for &w in words {
+        let pos = out.slot[word_rank(w) as usize];
+        let m = &mut out.ranks[pos as usize - 1];
+        if word_tiers(w) & TIER_DEVICE != 0 && m.device_blocks == m.matched_blocks {
+            m.device_blocks += *pending;
+        }
+        m.matched_blocks += *pending;
+    }
+    *pending = 0;
+}
+
+#[inline]
+fn extra_at(extra: &[Option<u64>], i: usize) -> Option<u64> {
+    extra.get(i).copied().flatten()
+}
+
+impl IndexReader {
+    pub fn config(&self) -> IndexConfig {
+        self.shared.cfg
+    }
+
+    /// Per rank, the contiguous depth from block 0 carried in any tier and on device, for the
+    /// request's chained block hashes. One shard read lock for the whole walk.
+    pub fn match_prefix(&self, hashes: &[u64], out: &mut PrefixMatch) {
+        out.ranks.clear();
+        let Some(&first) = hashes.first() else {
+            return;
+        };
+        let clock = self.shared.clock.load(Relaxed);
+        let shard = self.shared.shards[self.shared.shard_of_root(first)].read();
+        // Run compression: along a shared prefix consecutive nodes usually have the very same
+        // carrier words (same ranks, same tiers). When the previous node advanced ALL its
+        // carriers and this node's words are equal, every one of them advances again, so only a
+        // counter moves; the per-rank update is applied once when the run ends. This turns
+        // "blocks x carriers" work on a prefix shared by 64 ranks into one slice compare a block.
+        let mut prev_words: &[u32] = &[];
+        let mut prev_full = false;
+        let mut pending = 0u32;
+        for (i, &h) in hashes.iter().enumerate() {
+            let Some(idx) = shard.find(h) else {
+                break;
+            };
+            let node = &shard.nodes[idx as usize];
+            // Only write when the stamp changes so hot shared prefixes do not bounce a cache line
+            // between routing threads on every request.
+            if node.stamp.load(Relaxed) != clock {
+                node.stamp.store(clock, Relaxed);
+            }
+            let words = shard.words(node);
+            if prev_full && words == prev_words {
+                pending += 1;
+                continue;
+            }
+            flush_run(out, prev_words, &mut pending);
+            let i = i as u32;
+            let mut advanced = 0usize;
+            for &w in words {
+                let rank = word_rank(w) as usize;
+                let device = word_tiers(w) & TIER_DEVICE != 0;
+                if i == 0 {
+                    if out.slot.len() <= rank {
+                        out.slot.resize(rank + 1, 0);
+                    }
+                    out.ranks.push(RankMatch {
+                        rank: RankId(rank as u32),
+                        matched_blocks: 1,
+                        device_blocks: u32::from(device),
+                    });
+                    out.slot[rank] = out.ranks.len() as u32;
+                    advanced += 1;
+                } else if let Some(&pos) = out.slot.get(rank)
+                    && pos != 0
+                {
+                    let m = &mut out.ranks[pos as usize - 1];
+                    if m.matched_blocks == i {
+                        m.matched_blocks = i + 1;
+                        advanced += 1;
+                        if device && m.device_blocks == i {
+                            m.device_blocks = i + 1;
+                        }
+                    }
+                }
+            }
+            if advanced == 0 {
+                break;
+            }
+            prev_full = advanced == words.len();
+            prev_words = words;
+        }
+        flush_run(out, prev_words, &mut pending);
+        drop(shard);
+        for m in &out.ranks {
+            out.slot[m.rank.0 as usize] = 0;
+        }
+    }
+
+    pub fn ranks(&self) -> Vec<(RankId, RankRef)> {
+        self.shared
+            .ranks
+            .read()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().map(|r| (RankId(i as u32), r.rank_ref.clone())))
+            .collect()
+    }
+
+    pub fn rank_stats(&self, rank: RankId) -> Option<RankStats> {
+        let ranks = self.shared.ranks.read();
+        let r = ranks.get(rank.0 as usize)?.as_ref()?;
+        Some(RankStats {
+            carried_blocks: r.carried.load(Relaxed),
+            tier_blocks: std::array::from_fn(|i| r.tiers[i].load(Relaxed)),
+            cursor: r.cursor().map(|(seq, ts)| RankCursor {
+                rank: rank.0,
+                seq,
+                ts,
+            }),
+        })
+    }
+
+    pub fn total_carried(&self) -> u64 {
+        self.shared.total_carried.load(Relaxed)
+    }
+
+    /// Live nodes across shards (for memory accounting and tests).
+    pub fn node_count(&self) -> u64 {
+        self.shared
+            .shards
+            .iter()
+            .map(|s| {
+                let s = s.read();
+                (s.nodes.len() - s.free.len()) as u64
+            })
+            .sum()
+    }
+
+    pub fn counters(&self) -> IndexCounters {
+        let c = &self.shared.counters;
+        IndexCounters {
+            stored_blocks: c.stored_blocks.load(Relaxed),
+            removed_blocks: c.removed_blocks.load(Relaxed),
+            cleared_ranks: c.cleared_ranks.load(Relaxed),
+            stored_unknown_parent_blocks: c.stored_unknown_parent_blocks.load(Relaxed),
+            removed_unknown_blocks: c.removed_unknown_blocks.load(Relaxed),
+            evicted_carriers: c.evicted_carriers.load(Relaxed),
+            eviction_runs: c.eviction_runs.load(Relaxed),
+            token_mismatch_events: c.token_mismatch_events.load(Relaxed),
+            block_size_mismatch_events: c.block_size_mismatch_events.load(Relaxed),
+            unknown_medium_stored_blocks: c.unknown_medium_stored_blocks.load(Relaxed),
+            shard_full_blocks: c.shard_full_blocks.load(Relaxed),
+            unknown_rank_events: c.unknown_rank_events.load(Relaxed),
+        }
+    }
+}

@@ -1,0 +1,649 @@
+//! Export, validation, restore and rank filtering of the columnar [`IndexSnapshot`].
+//!
+//! Export never holds a shard lock for long: each shard's slab is read in chunks of
+//! [`EXPORT_CHUNK_NODES`] under a read lock, then ordered (parents before children) off-lock.
+//! Because the writer may run between chunks, the walk is not atomic; two rules keep the result
+//! honest:
+//! * nodes are linked by content hash, not slab index, and a node whose parent was not seen is
+//!   dropped (with its subtree), so a chunk race can lose blocks but never invent a broken tree;
+//! * cursors are read BEFORE the walk and again after it; a rank whose cursor moved loses its
+//!   cursor in the snapshot. The walk may have missed blocks the newer cursor covers, or include
+//!   blocks the older one does not, so neither value may be claimed; a consumer without a cursor
+//!   for the rank just replays (or refetches) it, which is always safe.
+//!
+//! Restore validates the whole snapshot before touching the index, so a malformed snapshot leaves
+//! the index exactly as it was, and names the first violation with its position.
+
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+use kvroute_wire::snapshot::{
+    IndexSnapshot, NO_PARENT, RankCursor, SNAPSHOT_FORMAT, SnapshotNodes,
+};
+use thiserror::Error;
+
+use crate::hash::HASH_SCHEME;
+use crate::index::{
+    IndexReader, IndexWriter, RankId, RestoreDelta, TIER_ALL, word_rank, word_tiers,
+};
+
+/// Nodes read per shard read-lock acquisition during export (bounds writer wait to ~tens of us).
+pub const EXPORT_CHUNK_NODES: usize = 4096;
+/// Snapshot nodes applied per shard write-lock acquisition during restore.
+pub const RESTORE_CHUNK_NODES: usize = 4096;
+
+/// The first violation found in a snapshot, with its position.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum RestoreError {
+    #[error("snapshot format {found}, this build reads {expected}")]
+    Format { found: u32, expected: u32 },
+    #[error("snapshot hash scheme {found:?}, this build uses {expected:?}")]
+    HashScheme { found: String, expected: String },
+    #[error("snapshot block size {found}, this index uses {expected}")]
+    BlockSize { found: u32, expected: u32 },
+    #[error("snapshot column {column} has {len} entries, expected {expected}")]
+    ColumnLength {
+        column: &'static str,
+        len: usize,
+        expected: usize,
+    },
+    #[error("carrier_end decreases at node {node}")]
+    CarrierEndNotMonotone { node: usize },
+    #[error("carrier_end ends at {last}, but there are {carriers} carriers")]
+    CarrierEndMismatch { last: u64, carriers: usize },
+    #[error("node {node} has parent {parent}, which does not precede it")]
+    ParentNotBefore { node: usize, parent: u32 },
+    #[error("carrier {carrier} names rank {rank}, but there are {ranks} ranks")]
+    CarrierRankOutOfRange {
+        carrier: usize,
+        rank: u32,
+        ranks: usize,
+    },
+    #[error("rank {index} repeats rank {first}")]
+    DuplicateRank { index: usize, first: usize },
+    #[error("cursor {cursor} names rank {rank}, but there are {ranks} ranks")]
+    CursorRankOutOfRange {
+        cursor: usize,
+        rank: u32,
+        ranks: usize,
+    },
+    #[error("cursor {cursor} is a second cursor for rank {rank}")]
+    DuplicateCursor { cursor: usize, rank: u32 },
+    #[error("empty_ranks[{index}] names rank {rank}, but there are {ranks} ranks")]
+    EmptyRankOutOfRange {
+        index: usize,
+        rank: u32,
+        ranks: usize,
+    },
+    #[error("carrier {carrier} has no tier bit set")]
+    ZeroTiers { carrier: usize },
+    #[error("carrier {carrier} has unknown tier bits {tiers:#x}")]
+    UnknownTierBits { carrier: usize, tiers: u8 },
+    #[error("snapshot has {ranks} ranks, more than the index can register")]
+    TooManyRanks { ranks: usize },
+}
+
+/// What a restore did.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RestoreReport {
+    /// Snapshot rank index -> local rank id.
+    pub rank_map: Vec<RankId>,
+    /// Snapshot nodes placed (created or merged into existing nodes).
+    pub nodes: u64,
+    pub carriers: u64,
+    /// Snapshot nodes not placed (a shard slab was full), with their subtrees.
+    pub skipped_nodes: u64,
+    /// Every snapshot cursor, with `rank` mapped to the local [`RankId`]; the caller decides.
+    pub cursors: Vec<RankCursor>,
+    /// Ranks that had no cursor and got the snapshot's.
+    pub cursors_set: Vec<RankId>,
+    pub evicted_carriers: u64,
+}
+
+/// Checks every structural rule of a snapshot (everything but format, scheme and block size).
+pub fn validate_structure(s: &IndexSnapshot) -> Result<(), RestoreError> {
+    let n = &s.nodes;
+    let len = n.parent.len();
+    for (column, l) in [
+        ("content_hash", n.content_hash.len()),
+        ("carrier_end", n.carrier_end.len()),
+    ] {
+        if l != len {
+            return Err(RestoreError::ColumnLength {
+                column,
+                len: l,
+                expected: len,
+            });
+        }
+    }
+    let carriers = n.carrier_rank.len();
+    for (column, l) in [
+        ("carrier_tiers", n.carrier_tiers.len()),
+        ("carrier_engine_hash", n.carrier_engine_hash.len()),
+    ] {
+        if l != carriers {
+            return Err(RestoreError::ColumnLength {
+                column,
+                len: l,
+                expected: carriers,
+            });
+        }
+    }
+    let mut prev = 0u32;
+    for (i, &end) in n.carrier_end.iter().enumerate() {
+        if end < prev {
+            return Err(RestoreError::CarrierEndNotMonotone { node: i });
+        }
+        prev = end;
+    }
+    if prev as usize != carriers {
+        return Err(RestoreError::CarrierEndMismatch {
+            last: u64::from(prev),
+            carriers,
+        });
+    }
+    for (i, &p) in n.parent.iter().enumerate() {
+        if p != NO_PARENT && p as usize >= i {
+            return Err(RestoreError::ParentNotBefore { node: i, parent: p });
+        }
+    }
+    let ranks = s.ranks.len();
+    if ranks > crate::index::MAX_RANK_IDS as usize {
+        return Err(RestoreError::TooManyRanks { ranks });
+    }
+    for (i, &r) in n.carrier_rank.iter().enumerate() {
+        if r as usize >= ranks {
+            return Err(RestoreError::CarrierRankOutOfRange {
+                carrier: i,
+                rank: r,
+                ranks,
+            });
+        }
+    }
+    let mut seen: HashMap<&kvroute_wire::snapshot::RankRef, usize> = HashMap::with_capacity(ranks);
+    for (i, r) in s.ranks.iter().enumerate() {
+        if let Some(&first) = seen.get(r) {
+            return Err(RestoreError::DuplicateRank { index: i, first });
+        }
+        seen.insert(r, i);
+    }
+    let mut has_cursor = vec![false; ranks];
+    for (i, c) in s.cursors.iter().enumerate() {
+        let Some(slot) = has_cursor.get_mut(c.rank as usize) else {
+            return Err(RestoreError::CursorRankOutOfRange {
+                cursor: i,
+                rank: c.rank,
+                ranks,
+            });
+        };
+        if *slot {
+            return Err(RestoreError::DuplicateCursor {
+                cursor: i,
+                rank: c.rank,
+            });
+        }
+        *slot = true;
+    }
+    for (i, &r) in s.empty_ranks.iter().enumerate() {
+        if r as usize >= ranks {
+            return Err(RestoreError::EmptyRankOutOfRange {
+                index: i,
+                rank: r,
+                ranks,
+            });
+        }
+    }
+    for (i, &t) in n.carrier_tiers.iter().enumerate() {
+        if t == 0 {
+            return Err(RestoreError::ZeroTiers { carrier: i });
+        }
+        if t & !TIER_ALL != 0 {
+            return Err(RestoreError::UnknownTierBits {
+                carrier: i,
+                tiers: t,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Checks header fields against this build and index, then the structure.
+pub fn validate_snapshot(s: &IndexSnapshot, block_size: u32) -> Result<(), RestoreError> {
+    if s.format != SNAPSHOT_FORMAT {
+        return Err(RestoreError::Format {
+            found: s.format,
+            expected: SNAPSHOT_FORMAT,
+        });
+    }
+    if s.hash_scheme != HASH_SCHEME {
+        return Err(RestoreError::HashScheme {
+            found: s.hash_scheme.clone(),
+            expected: HASH_SCHEME.to_string(),
+        });
+    }
+    if s.block_size != block_size {
+        return Err(RestoreError::BlockSize {
+            found: s.block_size,
+            expected: block_size,
+        });
+    }
+    validate_structure(s)
+}
+
+/// Content hashes are already uniform 64-bit values: use them as their own hash.
+#[derive(Default)]
+struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type HashToIdx = HashMap<u64, u32, BuildHasherDefault<IdentityHasher>>;
+
+const NONE: u32 = u32::MAX;
+
+struct Rec {
+    hash: u64,
+    parent_hash: u64,
+    slot: u32,
+    parent_slot: u32,
+    is_root: bool,
+    depth: u32,
+    c_start: u32,
+    c_end: u32,
+}
+
+impl IndexReader {
+    /// A snapshot of the whole index; see the module doc for its consistency rules.
+    /// `producer_ready` is always false: only the service knows whether to trust the index.
+    pub fn export_snapshot(&self) -> IndexSnapshot {
+        let shared = &self.shared;
+        let table: Vec<(u32, Arc<crate::index::RankShared>)> = shared
+            .ranks
+            .read()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().map(|r| (i as u32, r.clone())))
+            .collect();
+        let cursors_before: Vec<Option<(i64, f64)>> =
+            table.iter().map(|(_, r)| r.cursor()).collect();
+        let id_limit = table.last().map_or(0, |(id, _)| *id as usize + 1);
+        let mut snap_rank_of_id = vec![NONE; id_limit];
+        for (pos, (id, _)) in table.iter().enumerate() {
+            snap_rank_of_id[*id as usize] = pos as u32;
+        }
+
+        let total_hint = shared
+            .total_carried_hint()
+            .min(crate::index::DEFAULT_MAX_CARRIED_BLOCKS) as usize;
+        let mut out = SnapshotNodes {
+            carrier_rank: Vec::with_capacity(total_hint),
+            carrier_tiers: Vec::with_capacity(total_hint),
+            carrier_engine_hash: Vec::with_capacity(total_hint),
+            ..SnapshotNodes::default()
+        };
+        let mut carried_per_rank = vec![0u64; table.len()];
+        let mut recs: Vec<Rec> = Vec::new();
+        let mut tmp_carriers: Vec<(u32, u8, u64)> = Vec::new();
+        let mut by_depth: Vec<u32> = Vec::new();
+        let mut depth_start: Vec<u32> = Vec::new();
+        let mut emitted: HashToIdx = HashToIdx::default();
+        let mut slot_to_snap: Vec<u32> = Vec::new();
+
+        for lock in shared.shards.iter() {
+            recs.clear();
+            tmp_carriers.clear();
+            let mut start = 0usize;
+            // The shard's write counter at the first chunk; if it never changes, slab indices
+            // are a consistent naming and the hash map is not needed.
+            let mut first_mutations = None;
+            let mut stable = true;
+            let mut slab_len = 0usize;
+            loop {
+                let shard = lock.read();
+                let m = *first_mutations.get_or_insert(shard.mutations);
+                stable &= m == shard.mutations;
+                slab_len = slab_len.max(shard.nodes.len());
+                let end = shard.nodes.len().min(start + EXPORT_CHUNK_NODES);
+                if start >= end {
+                    break;
+                }
+                for (slot, node) in (start..end).zip(&shard.nodes[start..end]) {
+                    if node.depth == u32::MAX {
+                        continue;
+                    }
+                    let c_start = tmp_carriers.len() as u32;
+                    let (words, engines) = shard.carriers(node);
+                    for (&w, &e) in words.iter().zip(engines) {
+                        let snap_rank = snap_rank_of_id
+                            .get(word_rank(w) as usize)
+                            .copied()
+                            .unwrap_or(NONE);
+                        if snap_rank != NONE {
+                            tmp_carriers.push((snap_rank, word_tiers(w), e));
+                        }
+                    }
+                    let (parent_hash, is_root) = if node.parent == NONE {
+                        (0, true)
+                    } else {
+                        (shard.nodes[node.parent as usize].hash, false)
+                    };
+                    recs.push(Rec {
+                        hash: node.hash,
+                        parent_hash,
+                        slot: slot as u32,
+                        parent_slot: node.parent,
+                        is_root,
+                        depth: node.depth,
+                        c_start,
+                        c_end: tmp_carriers.len() as u32,
+                    });
+                }
+                start = end;
+            }
+            // Counting sort by depth: parents (depth d) come before children (d + 1).
+            let max_depth = recs.iter().map(|r| r.depth as usize).max().unwrap_or(0);
+            depth_start.clear();
+            depth_start.resize(max_depth + 2, 0);
+            for r in &recs {
+                depth_start[r.depth as usize + 1] += 1;
+            }
+            for d in 1..depth_start.len() {
+                depth_start[d] += depth_start[d - 1];
+            }
+            by_depth.clear();
+            by_depth.resize(recs.len(), 0);
+            for (i, r) in recs.iter().enumerate() {
+                let slot = &mut depth_start[r.depth as usize];
+                by_depth[*slot as usize] = i as u32;
+                *slot += 1;
+            }
+            emitted.clear();
+            slot_to_snap.clear();
+            if stable {
+                slot_to_snap.resize(slab_len, NONE);
+            } else {
+                emitted.reserve(recs.len());
+            }
+            for &ri in &by_depth {
+                let r = &recs[ri as usize];
+                let idx = out.parent.len() as u32;
+                let parent = if stable {
+                    slot_to_snap[r.slot as usize] = idx;
+                    if r.is_root {
+                        NO_PARENT
+                    } else {
+                        slot_to_snap[r.parent_slot as usize]
+                    }
+                } else {
+                    let parent = if r.is_root {
+                        NO_PARENT
+                    } else {
+                        match emitted.get(&r.parent_hash) {
+                            Some(&p) => p,
+                            // Parent created after its chunk was read: drop the orphan.
+                            None => continue,
+                        }
+                    };
+                    if emitted.try_insert(r.hash, idx).is_err() {
+                        // The same node seen twice (freed and recreated between chunks).
+                        continue;
+                    }
+                    parent
+                };
+                out.parent.push(parent);
+                out.content_hash.push(r.hash);
+                for &(rank, tiers, engine) in &tmp_carriers[r.c_start as usize..r.c_end as usize] {
+                    out.carrier_rank.push(rank);
+                    out.carrier_tiers.push(tiers);
+                    out.carrier_engine_hash.push(engine);
+                    carried_per_rank[rank as usize] += 1;
+                }
+                out.carrier_end.push(out.carrier_rank.len() as u32);
+            }
+        }
+
+        let mut cursors = Vec::new();
+        for (pos, ((_, r), before)) in table.iter().zip(&cursors_before).enumerate() {
+            let after = r.cursor();
+            if let (Some(b), Some(a)) = (before, after)
+                && b.0 == a.0
+                && b.1.to_bits() == a.1.to_bits()
+            {
+                cursors.push(RankCursor {
+                    rank: pos as u32,
+                    seq: a.0,
+                    ts: a.1,
+                });
+            }
+        }
+        IndexSnapshot {
+            format: SNAPSHOT_FORMAT,
+            hash_scheme: HASH_SCHEME.to_string(),
+            block_size: shared.cfg.block_size,
+            producer_ready: false,
+            ranks: table.iter().map(|(_, r)| r.rank_ref.clone()).collect(),
+            cursors,
+            empty_ranks: carried_per_rank
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| **c == 0)
+                .map(|(i, _)| i as u32)
+                .collect(),
+            nodes: out,
+        }
+    }
+}
+
+impl IndexWriter {
+    /// Validates `s` completely, then unions it into the index: ranks mapped by [`RankRef`]
+    /// through [`IndexWriter::add_rank`], carriers merged into existing nodes, side maps rebuilt.
+    /// A rank's cursor is set only when it has none; every snapshot cursor is reported.
+    ///
+    /// [`RankRef`]: kvroute_wire::snapshot::RankRef
+    pub fn restore_snapshot(&mut self, s: &IndexSnapshot) -> Result<RestoreReport, RestoreError> {
+        validate_snapshot(s, self.config().block_size)?;
+        let mut report = RestoreReport {
+            rank_map: s.ranks.iter().map(|r| self.add_rank(r.clone())).collect(),
+            ..RestoreReport::default()
+        };
+        let shared = self.shared.clone();
+        let n = &s.nodes;
+        let mut per_rank = vec![0usize; s.ranks.len()];
+        for &r in &n.carrier_rank {
+            per_rank[r as usize] += 1;
+        }
+        let reserve: Vec<(RankId, usize)> = report
+            .rank_map
+            .iter()
+            .copied()
+            .zip(per_rank)
+            .collect();
+        self.reserve_for_restore(&reserve, n.len());
+        let mut node_ref_of = vec![NONE; n.len()];
+        let mut delta = RestoreDelta::default();
+        let mut i = 0usize;
+        while i < n.len() {
+            // Lock the shard of node i and keep it while the following nodes stay in it.
+            let shard_idx = match self.restore_shard_of(s, i, &node_ref_of) {
+                Some(sh) => sh,
+                None => {
+                    report.skipped_nodes += 1;
+                    i += 1;
+                    continue;
+                }
+            };
+            let mut shard = shared.shards[shard_idx].write();
+            shard.mutations += 1;
+            let chunk_end = (i + RESTORE_CHUNK_NODES).min(n.len());
+            while i < chunk_end {
+                let sh = match self.restore_shard_of(s, i, &node_ref_of) {
+                    Some(sh) => sh,
+                    None => {
+                        report.skipped_nodes += 1;
+                        i += 1;
+                        continue;
+                    }
+                };
+                if sh != shard_idx {
+                    break;
+                }
+                let parent = n.parent[i];
+                let parent_idx = if parent == NO_PARENT {
+                    NONE
+                } else {
+                    shared.split_ref(node_ref_of[parent as usize]).1
+                };
+                let Some(idx) = self.find_or_create_in(&mut shard, n.content_hash[i], parent_idx)
+                else {
+                    self.count_shard_full(1);
+                    report.skipped_nodes += 1;
+                    i += 1;
+                    continue;
+                };
+                let node_ref = shared.node_ref(shard_idx, idx);
+                node_ref_of[i] = node_ref;
+                let c_start = if i == 0 {
+                    0
+                } else {
+                    n.carrier_end[i - 1] as usize
+                };
+                for c in c_start..n.carrier_end[i] as usize {
+                    let rank = report.rank_map[n.carrier_rank[c] as usize];
+                    self.restore_carrier(
+                        rank,
+                        node_ref,
+                        n.carrier_tiers[c],
+                        n.carrier_engine_hash[c],
+                        &mut shard,
+                        &mut delta,
+                    );
+                    report.carriers += 1;
+                }
+                report.nodes += 1;
+                i += 1;
+            }
+        }
+        self.flush_restore_delta(&mut delta);
+        for c in &s.cursors {
+            let local = report.rank_map[c.rank as usize];
+            report.cursors.push(RankCursor {
+                rank: local.0,
+                seq: c.seq,
+                ts: c.ts,
+            });
+            if self.cursor_of(local).is_none() {
+                self.set_cursor(local, Some((c.seq, c.ts)));
+                report.cursors_set.push(local);
+            }
+        }
+        report.evicted_carriers = self.enforce_cap();
+        Ok(report)
+    }
+
+    fn restore_shard_of(&self, s: &IndexSnapshot, i: usize, node_ref_of: &[u32]) -> Option<usize> {
+        let parent = s.nodes.parent[i];
+        if parent == NO_PARENT {
+            Some(self.shared.shard_of_root(s.nodes.content_hash[i]))
+        } else {
+            let r = node_ref_of[parent as usize];
+            (r != NONE).then(|| self.shared.split_ref(r).0)
+        }
+    }
+}
+
+/// Keeps only the ranks for which `keep` is true: drops other ranks' carriers, cursors and
+/// empty-rank entries, drops nodes left with no carrier and no kept descendant (interior nodes on
+/// a kept path stay), and renumbers ranks and parents. The snapshot's structure is validated
+/// first; on error it is left untouched.
+pub fn retain_ranks(
+    s: &mut IndexSnapshot,
+    keep: impl Fn(&kvroute_wire::snapshot::RankRef) -> bool,
+) -> Result<(), RestoreError> {
+    validate_structure(s)?;
+    let mut rank_map = vec![NONE; s.ranks.len()];
+    let mut ranks = Vec::new();
+    for (i, r) in s.ranks.iter().enumerate() {
+        if keep(r) {
+            rank_map[i] = ranks.len() as u32;
+            ranks.push(r.clone());
+        }
+    }
+    let n = &s.nodes;
+    let len = n.len();
+    let mut keep_node: Vec<bool> = (0..len)
+        .map(|i| {
+            let c_start = if i == 0 {
+                0
+            } else {
+                n.carrier_end[i - 1] as usize
+            };
+            n.carrier_rank[c_start..n.carrier_end[i] as usize]
+                .iter()
+                .any(|&r| rank_map[r as usize] != NONE)
+        })
+        .collect();
+    // Children follow parents, so one backward pass marks every ancestor of a kept node.
+    for i in (0..len).rev() {
+        if keep_node[i] && n.parent[i] != NO_PARENT {
+            keep_node[n.parent[i] as usize] = true;
+        }
+    }
+    let mut new_idx = vec![NONE; len];
+    let mut out = SnapshotNodes::default();
+    for i in 0..len {
+        if !keep_node[i] {
+            continue;
+        }
+        new_idx[i] = out.parent.len() as u32;
+        out.parent.push(if n.parent[i] == NO_PARENT {
+            NO_PARENT
+        } else {
+            new_idx[n.parent[i] as usize]
+        });
+        out.content_hash.push(n.content_hash[i]);
+        let c_start = if i == 0 {
+            0
+        } else {
+            n.carrier_end[i - 1] as usize
+        };
+        for c in c_start..n.carrier_end[i] as usize {
+            let r = rank_map[n.carrier_rank[c] as usize];
+            if r != NONE {
+                out.carrier_rank.push(r);
+                out.carrier_tiers.push(n.carrier_tiers[c]);
+                out.carrier_engine_hash.push(n.carrier_engine_hash[c]);
+            }
+        }
+        out.carrier_end.push(out.carrier_rank.len() as u32);
+    }
+    s.cursors = s
+        .cursors
+        .iter()
+        .filter(|c| rank_map[c.rank as usize] != NONE)
+        .map(|c| RankCursor {
+            rank: rank_map[c.rank as usize],
+            ..*c
+        })
+        .collect();
+    s.empty_ranks = s
+        .empty_ranks
+        .iter()
+        .filter(|&&r| rank_map[r as usize] != NONE)
+        .map(|&r| rank_map[r as usize])
+        .collect();
+    s.ranks = ranks;
+    s.nodes = out;
+    Ok(())
+}

@@ -1,0 +1,458 @@
+//! Snapshot export shape and restore validation: each malformed case is rejected with the error
+//! naming its rule, and a rejected restore leaves the index untouched.
+
+mod common;
+
+use common::*;
+use kvroute_index::hash::HASH_SCHEME;
+use kvroute_index::{
+    IndexConfig, IndexWriter, PrefixIndex, PrefixMatch, RestoreError, retain_ranks,
+};
+use kvroute_wire::event::Medium;
+use kvroute_wire::snapshot::{IndexSnapshot, NO_PARENT, RankCursor, SNAPSHOT_FORMAT};
+
+const BS: u32 = 4;
+
+fn cfg() -> IndexConfig {
+    IndexConfig {
+        block_size: BS,
+        shard_count: 4,
+        max_carried_blocks: 1_000_000,
+    }
+}
+
+/// Two ranks sharing a 2-block prefix; rank 0 extends it by 2 blocks, rank 1 by 1 on host.
+fn sample() -> IndexSnapshot {
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let a = w.add_rank(rank_ref(0));
+    let b = w.add_rank(rank_ref(1));
+    w.add_rank(rank_ref(2));
+    let sys = tokens(1, 2, BS);
+    let mut ta = sys.clone();
+    ta.extend(tokens(2, 2, BS));
+    let mut tb = sys.clone();
+    tb.extend(tokens(3, 1, BS));
+    w.apply_batch(
+        a,
+        10,
+        &batch(vec![stored(&[1, 2, 3, 4], None, ta, BS, None)]),
+    );
+    w.apply_batch(b, 20, &batch(vec![stored(&[1, 2], None, sys, BS, None)]));
+    w.apply_batch(
+        b,
+        21,
+        &batch(vec![stored(
+            &[5],
+            Some(2),
+            tb[8..].to_vec(),
+            BS,
+            Some(Medium::Host),
+        )]),
+    );
+    r.export_snapshot()
+}
+
+#[test]
+fn export_lists_parents_before_children_with_engine_hashes_and_cursors() {
+    let s = sample();
+    assert_eq!(s.format, SNAPSHOT_FORMAT);
+    assert_eq!(s.hash_scheme, HASH_SCHEME);
+    assert_eq!(s.block_size, BS);
+    assert!(!s.producer_ready);
+    assert_eq!(s.ranks, vec![rank_ref(0), rank_ref(1), rank_ref(2)]);
+    assert_eq!(s.empty_ranks, vec![2]);
+    assert_eq!(s.nodes.len(), 5);
+    assert_eq!(s.nodes.carried_blocks(), 7);
+    for (i, &p) in s.nodes.parent.iter().enumerate() {
+        assert!(p == NO_PARENT || (p as usize) < i, "node {i} parent {p}");
+    }
+    let mut engines: Vec<(u32, u64, u8)> = s
+        .nodes
+        .carrier_rank
+        .iter()
+        .zip(&s.nodes.carrier_engine_hash)
+        .zip(&s.nodes.carrier_tiers)
+        .map(|((&r, &e), &t)| (r, e, t))
+        .collect();
+    engines.sort_unstable();
+    assert_eq!(
+        engines,
+        vec![
+            (0, 1, 1),
+            (0, 2, 1),
+            (0, 3, 1),
+            (0, 4, 1),
+            (1, 1, 1),
+            (1, 2, 1),
+            (1, 5, 2)
+        ]
+    );
+    let mut cursors: Vec<(u32, i64)> = s.cursors.iter().map(|c| (c.rank, c.seq)).collect();
+    cursors.sort_unstable();
+    assert_eq!(cursors, vec![(0, 10), (1, 21)]);
+}
+
+fn fresh_with_one_block() -> (IndexWriter, kvroute_index::IndexReader) {
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let z = w.add_rank(rank_ref(9));
+    w.apply_event(z, &stored(&[77], None, tokens(50, 1, BS), BS, None));
+    (w, r)
+}
+
+fn rejects(mutate: impl FnOnce(&mut IndexSnapshot), want: RestoreError) {
+    let mut s = sample();
+    mutate(&mut s);
+    let (mut w, r) = fresh_with_one_block();
+    let before = (r.total_carried(), r.node_count(), r.ranks().len());
+    assert_eq!(w.restore_snapshot(&s), Err(want));
+    assert_eq!(
+        (r.total_carried(), r.node_count(), r.ranks().len()),
+        before,
+        "a rejected restore must not touch the index"
+    );
+}
+
+#[test]
+fn restore_rejects_another_format() {
+    rejects(
+        |s| s.format = 99,
+        RestoreError::Format {
+            found: 99,
+            expected: SNAPSHOT_FORMAT,
+        },
+    );
+}
+
+#[test]
+fn restore_rejects_another_hash_scheme() {
+    rejects(
+        |s| s.hash_scheme = "other".into(),
+        RestoreError::HashScheme {
+            found: "other".into(),
+            expected: HASH_SCHEME.into(),
+        },
+    );
+}
+
+#[test]
+fn restore_rejects_another_block_size() {
+    rejects(
+        |s| s.block_size = 16,
+        RestoreError::BlockSize {
+            found: 16,
+            expected: BS,
+        },
+    );
+}
+
+#[test]
+fn restore_rejects_a_short_node_column() {
+    rejects(
+        |s| {
+            s.nodes.content_hash.pop();
+        },
+        RestoreError::ColumnLength {
+            column: "content_hash",
+            len: 4,
+            expected: 5,
+        },
+    );
+}
+
+#[test]
+fn restore_rejects_a_short_carrier_column() {
+    rejects(
+        |s| {
+            s.nodes.carrier_engine_hash.pop();
+        },
+        RestoreError::ColumnLength {
+            column: "carrier_engine_hash",
+            len: 6,
+            expected: 7,
+        },
+    );
+}
+
+#[test]
+fn restore_rejects_a_decreasing_carrier_end() {
+    rejects(
+        |s| {
+            s.nodes.carrier_end[1] = s.nodes.carrier_end[0].wrapping_sub(1);
+            s.nodes.carrier_end[0] = s.nodes.carrier_end[1] + 1;
+        },
+        RestoreError::CarrierEndNotMonotone { node: 1 },
+    );
+}
+
+#[test]
+fn restore_rejects_a_carrier_end_not_ending_at_the_carrier_count() {
+    rejects(
+        |s| *s.nodes.carrier_end.last_mut().unwrap() = 6,
+        RestoreError::CarrierEndMismatch {
+            last: 6,
+            carriers: 7,
+        },
+    );
+}
+
+#[test]
+fn restore_rejects_a_parent_that_does_not_precede_its_child() {
+    rejects(
+        |s| s.nodes.parent[2] = 3,
+        RestoreError::ParentNotBefore { node: 2, parent: 3 },
+    );
+}
+
+#[test]
+fn restore_rejects_a_self_parent() {
+    rejects(
+        |s| s.nodes.parent[1] = 1,
+        RestoreError::ParentNotBefore { node: 1, parent: 1 },
+    );
+}
+
+#[test]
+fn restore_rejects_a_carrier_rank_out_of_range() {
+    rejects(
+        |s| s.nodes.carrier_rank[3] = 3,
+        RestoreError::CarrierRankOutOfRange {
+            carrier: 3,
+            rank: 3,
+            ranks: 3,
+        },
+    );
+}
+
+#[test]
+fn restore_rejects_a_duplicate_rank() {
+    rejects(
+        |s| s.ranks[2] = rank_ref(0),
+        RestoreError::DuplicateRank { index: 2, first: 0 },
+    );
+}
+
+#[test]
+fn restore_rejects_a_cursor_rank_out_of_range() {
+    rejects(
+        |s| {
+            s.cursors.push(RankCursor {
+                rank: 5,
+                seq: 1,
+                ts: 0.0,
+            })
+        },
+        RestoreError::CursorRankOutOfRange {
+            cursor: 2,
+            rank: 5,
+            ranks: 3,
+        },
+    );
+}
+
+#[test]
+fn restore_rejects_a_second_cursor_for_a_rank() {
+    rejects(
+        |s| {
+            let c = s.cursors[0];
+            s.cursors.push(c);
+        },
+        RestoreError::DuplicateCursor {
+            cursor: 2,
+            rank: sample().cursors[0].rank,
+        },
+    );
+}
+
+#[test]
+fn restore_rejects_an_empty_rank_out_of_range() {
+    rejects(
+        |s| s.empty_ranks.push(7),
+        RestoreError::EmptyRankOutOfRange {
+            index: 1,
+            rank: 7,
+            ranks: 3,
+        },
+    );
+}
+
+#[test]
+fn restore_rejects_a_carrier_with_no_tier() {
+    rejects(
+        |s| s.nodes.carrier_tiers[4] = 0,
+        RestoreError::ZeroTiers { carrier: 4 },
+    );
+}
+
+#[test]
+fn restore_rejects_unknown_tier_bits() {
+    rejects(
+        |s| s.nodes.carrier_tiers[5] = 0x11,
+        RestoreError::UnknownTierBits {
+            carrier: 5,
+            tiers: 0x11,
+        },
+    );
+}
+
+#[test]
+fn restore_unions_into_existing_nodes_and_sets_only_missing_cursors() {
+    let s = sample();
+    let (mut w, r) = PrefixIndex::new(cfg());
+    // The local index already knows rank 1 with a cursor and one shared block.
+    let b = w.add_rank(rank_ref(1));
+    w.apply_batch(
+        b,
+        99,
+        &batch(vec![stored(
+            &[1],
+            None,
+            tokens(1, 1, BS),
+            BS,
+            Some(Medium::Disk),
+        )]),
+    );
+    let rep = w.restore_snapshot(&s).expect("valid");
+    assert_eq!(rep.rank_map[1], b);
+    assert_eq!(rep.cursors.len(), 2);
+    assert_eq!(rep.cursors_set, vec![rep.rank_map[0]]);
+    assert_eq!(
+        r.rank_stats(b).unwrap().cursor.unwrap().seq,
+        99,
+        "an existing cursor is kept"
+    );
+    assert_eq!(
+        r.rank_stats(rep.rank_map[0]).unwrap().cursor.unwrap().seq,
+        10
+    );
+    assert_eq!(
+        r.node_count(),
+        5,
+        "nodes are merged by content hash, not duplicated"
+    );
+    assert_eq!(r.rank_stats(b).unwrap().tier_blocks, [2, 1, 1, 0]);
+    // Side maps were rebuilt: the restored rank can extend and remove by engine hash.
+    w.apply_event(rep.rank_map[0], &removed(&[4, 3], None));
+    let mut m = PrefixMatch::new();
+    let mut ta = tokens(1, 2, BS);
+    ta.extend(tokens(2, 2, BS));
+    r.match_prefix(&hashes_of(&ta, BS), &mut m);
+    assert_eq!(m.get(rep.rank_map[0]).map(|x| x.matched_blocks), Some(2));
+}
+
+#[test]
+fn retain_ranks_keeps_interior_nodes_on_a_kept_path_and_renumbers() {
+    let mut s = sample();
+    // Keep only rank 1, whose chain is blocks 1,2 then 5 on host.
+    retain_ranks(&mut s, |r| *r == rank_ref(1)).expect("valid");
+    assert_eq!(s.ranks, vec![rank_ref(1)]);
+    assert_eq!(s.nodes.len(), 3);
+    assert_eq!(s.nodes.carrier_rank, vec![0, 0, 0]);
+    assert_eq!(
+        s.cursors
+            .iter()
+            .map(|c| (c.rank, c.seq))
+            .collect::<Vec<_>>(),
+        vec![(0, 21)]
+    );
+    assert!(s.empty_ranks.is_empty());
+    for (i, &p) in s.nodes.parent.iter().enumerate() {
+        assert!(p == NO_PARENT || (p as usize) < i);
+    }
+    let mut bad = sample();
+    bad.nodes.parent[0] = 0;
+    assert_eq!(
+        retain_ranks(&mut bad, |_| true),
+        Err(RestoreError::ParentNotBefore { node: 0, parent: 0 })
+    );
+}
+
+#[test]
+fn each_export_carries_the_cursor_of_the_nodes_it_shows() {
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let a = w.add_rank(rank_ref(0));
+    w.apply_batch(
+        a,
+        1,
+        &batch(vec![stored(&[1], None, tokens(60, 1, BS), BS, None)]),
+    );
+    let s1 = r.export_snapshot();
+    w.apply_batch(
+        a,
+        2,
+        &batch(vec![stored(&[2], Some(1), tokens(61, 1, BS), BS, None)]),
+    );
+    let s2 = r.export_snapshot();
+    assert_eq!((s1.cursors[0].seq, s1.nodes.carried_blocks()), (1, 1));
+    assert_eq!((s2.cursors[0].seq, s2.nodes.carried_blocks()), (2, 2));
+}
+
+#[test]
+fn a_cursor_never_claims_more_blocks_than_the_export_shows_while_the_writer_runs() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    let (mut w, r) = PrefixIndex::new(IndexConfig {
+        shard_count: 2,
+        ..cfg()
+    });
+    // Ballast so a walk spans many read-lock chunks and the writer can run between them.
+    let ballast = w.add_rank(rank_ref(1));
+    for i in 0..2_000u32 {
+        let hs: Vec<u64> = (0..16).map(|k| 1_000_000 + u64::from(i) * 16 + k).collect();
+        w.apply_event(
+            ballast,
+            &stored(&hs, None, tokens(10_000 + i, 16, BS), BS, None),
+        );
+    }
+    let a = w.add_rank(rank_ref(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let exporter = {
+        let (r, stop) = (r.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let (mut with_cursor, mut exports) = (0u32, 0u32);
+            let mut violations = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let s = r.export_snapshot();
+                exports += 1;
+                let Some(pos) = s.ranks.iter().position(|x| *x == rank_ref(0)) else {
+                    continue;
+                };
+                let shown = s
+                    .nodes
+                    .carrier_rank
+                    .iter()
+                    .filter(|&&x| x as usize == pos)
+                    .count() as i64;
+                if let Some(c) = s.cursors.iter().find(|c| c.rank as usize == pos) {
+                    with_cursor += 1;
+                    // Batch `seq` stores exactly one block, so cursor seq = blocks it covers.
+                    if c.seq > shown {
+                        violations.push((c.seq, shown));
+                    }
+                }
+            }
+            (exports, with_cursor, violations)
+        })
+    };
+    // Rank a: batch seq k stores block k, chained on block k - 1.
+    let chain = tokens(70, 1, BS);
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut seq = 0i64;
+    let mut parent = None;
+    while Instant::now() < deadline && seq < 200_000 {
+        seq += 1;
+        let engine = seq as u64;
+        let mut t = chain.clone();
+        t[0] = seq as u32;
+        w.apply_batch(a, seq, &batch(vec![stored(&[engine], parent, t, BS, None)]));
+        parent = Some(engine);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (exports, with_cursor, violations) = exporter.join().expect("exporter thread");
+    assert!(exports > 0, "no export completed while the writer ran");
+    assert!(
+        violations.is_empty(),
+        "cursor claimed more than the nodes showed: {violations:?} (of {with_cursor} exports with a cursor)"
+    );
+}

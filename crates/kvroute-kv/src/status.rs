@@ -1,0 +1,179 @@
+//! The per-rank status table that `KvPlane::rank_states` reads.
+//!
+//! Two writers feed it (the rank's subscriber task: connection state; the pump: cursor, counters,
+//! replaying) and the router's admin endpoints read it; a small lock is enough because updates are
+//! per batch at most and never held across an await. Every update names the incarnation it speaks
+//! for, so a subscriber of a removed registration cannot resurrect or overwrite a newer one.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+
+use crate::metrics::KvMetrics;
+use crate::rank_state::RankCounters;
+
+/// Identifies a rank across the plane.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RankKey {
+    pub url: Arc<str>,
+    pub dp_rank: u32,
+}
+
+/// The subscriber's view of its socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubscriberState {
+    /// Dialling the engine (it may not be up yet).
+    Connecting,
+    Connected,
+    /// Lost the peer; the socket is reconnecting by itself.
+    Disconnected,
+    /// Connected, and a replay is filling a gap (live batches are held meanwhile).
+    Replaying,
+    Stopped,
+}
+
+impl SubscriberState {
+    pub fn gauge_value(self) -> i64 {
+        match self {
+            SubscriberState::Connecting => 0,
+            SubscriberState::Connected => 1,
+            SubscriberState::Disconnected => 2,
+            SubscriberState::Replaying => 3,
+            SubscriberState::Stopped => 4,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankStatus {
+    pub worker_url: String,
+    pub dp_rank: u32,
+    pub model: String,
+    pub incarnation: u64,
+    /// Last applied seq (`None` before the first batch).
+    pub cursor: Option<i64>,
+    pub subscriber: SubscriberState,
+    pub applied_batches: u64,
+    pub duplicate_batches: u64,
+    pub lost_batches: u64,
+    pub replays: u64,
+    pub publisher_restarts: u64,
+}
+
+struct Entry {
+    status: RankStatus,
+    socket: SubscriberState,
+    replaying: bool,
+}
+
+impl Entry {
+    fn effective(&self) -> SubscriberState {
+        if self.replaying && self.socket == SubscriberState::Connected {
+            SubscriberState::Replaying
+        } else {
+            self.socket
+        }
+    }
+}
+
+#[derive(Default)]
+pub struct StatusTable {
+    entries: RwLock<HashMap<RankKey, Entry>>,
+}
+
+impl StatusTable {
+    pub fn insert(&self, key: RankKey, model: &str, incarnation: u64) {
+        let status = RankStatus {
+            worker_url: key.url.to_string(),
+            dp_rank: key.dp_rank,
+            model: model.to_string(),
+            incarnation,
+            cursor: None,
+            subscriber: SubscriberState::Connecting,
+            applied_batches: 0,
+            duplicate_batches: 0,
+            lost_batches: 0,
+            replays: 0,
+            publisher_restarts: 0,
+        };
+        self.entries.write().insert(
+            key,
+            Entry {
+                status,
+                socket: SubscriberState::Connecting,
+                replaying: false,
+            },
+        );
+    }
+
+    pub fn remove(&self, key: &RankKey) {
+        self.entries.write().remove(key);
+    }
+
+    pub fn set_socket_state(
+        &self,
+        key: &RankKey,
+        incarnation: u64,
+        state: SubscriberState,
+        metrics: &KvMetrics,
+    ) {
+        let mut entries = self.entries.write();
+        let Some(e) = entries
+            .get_mut(key)
+            .filter(|e| e.status.incarnation == incarnation)
+        else {
+            return;
+        };
+        e.socket = state;
+        Self::publish(key, e, metrics);
+    }
+
+    pub fn update_from_pump(
+        &self,
+        key: &RankKey,
+        incarnation: u64,
+        cursor: Option<i64>,
+        counters: RankCounters,
+        replaying: bool,
+        metrics: &KvMetrics,
+    ) {
+        let mut entries = self.entries.write();
+        let Some(e) = entries
+            .get_mut(key)
+            .filter(|e| e.status.incarnation == incarnation)
+        else {
+            return;
+        };
+        e.status.cursor = cursor;
+        e.status.applied_batches = counters.applied_batches;
+        e.status.duplicate_batches = counters.duplicate_batches;
+        e.status.lost_batches = counters.lost_batches;
+        e.status.replays = counters.replays_started;
+        e.status.publisher_restarts = counters.publisher_restarts;
+        let changed = e.replaying != replaying;
+        e.replaying = replaying;
+        if changed {
+            Self::publish(key, e, metrics);
+        }
+    }
+
+    fn publish(key: &RankKey, e: &mut Entry, metrics: &KvMetrics) {
+        e.status.subscriber = e.effective();
+        metrics
+            .subscriber_state
+            .with_label_values(&[&*key.url, key.dp_rank.to_string().as_str()])
+            .set(e.status.subscriber.gauge_value());
+    }
+
+    pub fn snapshot(&self) -> Vec<RankStatus> {
+        let mut out: Vec<RankStatus> = self
+            .entries
+            .read()
+            .values()
+            .map(|e| e.status.clone())
+            .collect();
+        out.sort_by(|a, b| (&a.worker_url, a.dp_rank).cmp(&(&b.worker_url, b.dp_rank)));
+        out
+    }
+}

@@ -1,0 +1,43 @@
+//! Decode limits: the ceilings a consumer puts on a body before it allocates for it.
+//!
+//! They are a parameter, not only constants, because the service sizes them from its own
+//! configuration (a replica serving 8 ranks should not accept a 64 M-node body), while the
+//! constants give safe defaults sized for the largest fleet we plan for (64 ranks x 1 M blocks)
+//! with headroom.
+
+/// Longest `hash_scheme` string accepted.
+pub const MAX_HASH_SCHEME_BYTES: usize = 256;
+/// Longest worker URL accepted in the rank table.
+pub const MAX_WORKER_URL_BYTES: usize = 2048;
+/// HMAC keys shorter than this are refused on both sides: a short shared secret is guessable
+/// offline from one captured body.
+pub const MIN_MAC_KEY_BYTES: usize = 16;
+
+pub const DEFAULT_MAX_NODES: usize = 64 * 1024 * 1024;
+pub const DEFAULT_MAX_CARRIERS: usize = 128 * 1024 * 1024;
+pub const DEFAULT_MAX_RANKS: usize = 16 * 1024;
+pub const DEFAULT_MAX_BYTES: usize = 2 * 1024 * 1024 * 1024;
+
+/// Ceilings checked before allocating for a decoded snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeLimits {
+    /// Most nodes (distinct blocks) in the snapshot.
+    pub max_nodes: usize,
+    /// Most carried (rank, block) pairs.
+    pub max_carriers: usize,
+    /// Most entries in the rank table; also bounds cursors and empty ranks.
+    pub max_ranks: usize,
+    /// Most bytes of input and, separately, of decompressed body.
+    pub max_bytes: usize,
+}
+
+impl Default for DecodeLimits {
+    fn default() -> Self {
+        DecodeLimits {
+            max_nodes: DEFAULT_MAX_NODES,
+            max_carriers: DEFAULT_MAX_CARRIERS,
+            max_ranks: DEFAULT_MAX_RANKS,
+            max_bytes: DEFAULT_MAX_BYTES,
+        }
+    }
+}

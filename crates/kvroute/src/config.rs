@@ -1,0 +1,351 @@
+//! Command line and configuration of the router.
+//!
+//! The CLI (`clap`, every flag also readable from a `KVROUTE_...` env var) is parsed into
+//! [`RouterConfig`], a plain struct with defaults. Tests and the demo build a `RouterConfig`
+//! directly and never go through argument parsing, so anything the library needs lives in the
+//! struct, and the CLI is only a way of filling it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::readiness::ReadinessGate;
+
+/// Largest request body accepted by default: generous for long prompts as JSON token arrays.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+
+/// Routing policy selected by `--policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    CacheAware,
+    RoundRobin,
+    Random,
+    PowerOfTwo,
+    LeastLoad,
+}
+
+impl PolicyKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::CacheAware => "cache_aware",
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::Random => "random",
+            PolicyKind::PowerOfTwo => "power_of_two",
+            PolicyKind::LeastLoad => "least_load",
+        }
+    }
+
+    pub const ALL: [PolicyKind; 5] = [
+        PolicyKind::CacheAware,
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+        PolicyKind::PowerOfTwo,
+        PolicyKind::LeastLoad,
+    ];
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Weights of the cache-aware cost model (see `policy` for the formula).
+#[derive(Debug, Clone, Copy)]
+pub struct CostWeights {
+    /// Estimated prefill time per uncached prompt token, in microseconds.
+    pub prefill_cost_us_per_token: f64,
+    /// Estimated delay one in-flight (decoding) request adds to a new request's first token, in
+    /// microseconds.
+    pub decode_penalty_us_per_request: f64,
+    /// Fraction of a full prefill a block found only in a host/disk tier still costs (loading it
+    /// back is cheaper than recomputing, but not free).
+    pub offloaded_block_cost_fraction: f64,
+    /// Softmax temperature over the cost in milliseconds; 0 picks the argmin.
+    pub temperature_ms: f64,
+}
+
+impl Default for CostWeights {
+    fn default() -> Self {
+        CostWeights {
+            prefill_cost_us_per_token: 50.0,
+            decode_penalty_us_per_request: 2_000.0,
+            offloaded_block_cost_fraction: 0.3,
+            temperature_ms: 0.0,
+        }
+    }
+}
+
+/// KV settings for engines that do not advertise them in `/server_info` (vLLM).
+#[derive(Debug, Clone, Default)]
+pub struct KvFlagDefaults {
+    /// e.g. `tcp://{host}:5557`; `{host}` is replaced by the worker's host.
+    pub events_endpoint_template: Option<String>,
+    pub replay_port_base: Option<u16>,
+    pub block_size: Option<usize>,
+    pub dp_size: Option<u32>,
+}
+
+/// One worker given on the command line: `URL` or `URL@model`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    pub url: String,
+    pub model: Option<String>,
+}
+
+impl WorkerSpec {
+    pub fn parse(s: &str) -> Result<WorkerSpec, String> {
+        // The model suffix is split at the LAST '@' after the scheme, so URLs with userinfo are not
+        // mistaken for a model (we never expect them, but must not mangle them).
+        let (url, model) = match s.rfind('@') {
+            Some(i) if i > s.find("://").map(|j| j + 3).unwrap_or(0) && !s[i + 1..].contains('/') => {
+                (&s[..i], Some(s[i + 1..].to_string()))
+            }
+            _ => (s, None),
+        };
+        let url = url.trim_end_matches('/').to_string();
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(format!("worker url must start with http:// or https://: {s}"));
+        }
+        if model.as_deref() == Some("") {
+            return Err(format!("empty model after '@' in {s}"));
+        }
+        Ok(WorkerSpec { url, model })
+    }
+}
+
+/// Everything the router library needs. Build with `RouterConfig::default()` and override.
+#[derive(Clone)]
+pub struct RouterConfig {
+    pub listen: SocketAddr,
+    pub workers: Vec<WorkerSpec>,
+    pub policy: PolicyKind,
+    pub weights: CostWeights,
+    pub tokenizer_path: Option<PathBuf>,
+    pub model_tokenizers: HashMap<String, PathBuf>,
+    pub kv_defaults: KvFlagDefaults,
+    pub decision_header: bool,
+    pub max_body_bytes: usize,
+    pub request_timeout_ms: u64,
+    pub max_retries: u32,
+    pub health_interval_ms: u64,
+    pub health_timeout_ms: u64,
+    pub eject_after_failures: u32,
+    pub eject_cooldown_ms: u64,
+    pub shutdown_grace_ms: u64,
+    pub tokenizer_cache_entries_max: usize,
+    /// Extra readiness gates (e.g. peer bootstrap) ANDed with the built-in ones.
+    pub extra_readiness_gates: Vec<Arc<dyn ReadinessGate>>,
+    /// Seed for the policies' random choices; `None` seeds from the OS.
+    pub rng_seed: Option<u64>,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            workers: Vec::new(),
+            policy: PolicyKind::CacheAware,
+            weights: CostWeights::default(),
+            tokenizer_path: None,
+            model_tokenizers: HashMap::new(),
+            kv_defaults: KvFlagDefaults::default(),
+            decision_header: false,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            request_timeout_ms: 300_000,
+            max_retries: 2,
+            health_interval_ms: 5_000,
+            health_timeout_ms: 2_000,
+            eject_after_failures: 3,
+            eject_cooldown_ms: 10_000,
+            shutdown_grace_ms: 10_000,
+            tokenizer_cache_entries_max: 65_536,
+            extra_readiness_gates: Vec::new(),
+            rng_seed: None,
+        }
+    }
+}
+
+#[derive(Debug, Parser)]
+#[command(name = "kvroute", version, about = "Cache-aware request router for LLM inference fleets")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run an embedded simulated fleet and compare the routing policies on a chat workload.
+    Demo(DemoArgs),
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct DemoArgs {
+    /// Number of conversations in the workload.
+    #[arg(long, env = "KVROUTE_DEMO_CONVERSATIONS", default_value_t = 40)]
+    pub conversations: usize,
+    /// Distinct shared system prompts.
+    #[arg(long, env = "KVROUTE_DEMO_SYSTEM_PROMPTS", default_value_t = 8)]
+    pub system_prompts: usize,
+    /// User turns per conversation.
+    #[arg(long, env = "KVROUTE_DEMO_TURNS", default_value_t = 4)]
+    pub turns: usize,
+    /// Concurrent conversations.
+    #[arg(long, env = "KVROUTE_DEMO_CONCURRENCY", default_value_t = 16)]
+    pub concurrency: usize,
+    #[arg(long, env = "KVROUTE_DEMO_SEED", default_value_t = 7)]
+    pub seed: u64,
+    /// Run only these policies (default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub policies: Vec<PolicyKind>,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct ServeArgs {
+    #[arg(long, env = "KVROUTE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, env = "KVROUTE_PORT", default_value_t = 30000)]
+    pub port: u16,
+    /// Engine URLs, optionally `URL@model`.
+    #[arg(long, env = "KVROUTE_WORKER_URLS", num_args = 1.., value_delimiter = ',')]
+    pub worker_urls: Vec<String>,
+    #[arg(long, env = "KVROUTE_POLICY", value_enum, default_value = "cache-aware")]
+    pub policy: PolicyKind,
+    /// Default tokenizer.json (or its directory) for every model.
+    #[arg(long, env = "KVROUTE_TOKENIZER_PATH")]
+    pub tokenizer_path: Option<PathBuf>,
+    /// Per-model tokenizer: `MODEL=PATH` (repeatable).
+    #[arg(long, env = "KVROUTE_MODEL_TOKENIZER", value_delimiter = ',')]
+    pub model_tokenizer: Vec<String>,
+    /// KV events endpoint for engines that do not advertise one, e.g. `tcp://{host}:5557`.
+    #[arg(long, env = "KVROUTE_KV_EVENTS_ENDPOINT_TEMPLATE")]
+    pub kv_events_endpoint_template: Option<String>,
+    #[arg(long, env = "KVROUTE_KV_EVENTS_REPLAY_PORT_BASE")]
+    pub kv_events_replay_port_base: Option<u16>,
+    #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
+    pub block_size: Option<usize>,
+    #[arg(long, env = "KVROUTE_DP_SIZE")]
+    pub dp_size: Option<u32>,
+    #[arg(long, env = "KVROUTE_PREFILL_COST_US_PER_TOKEN", default_value_t = 50.0)]
+    pub prefill_cost_us_per_token: f64,
+    #[arg(long, env = "KVROUTE_DECODE_PENALTY_US_PER_REQUEST", default_value_t = 2000.0)]
+    pub decode_penalty_us_per_request: f64,
+    #[arg(long, env = "KVROUTE_OFFLOADED_BLOCK_COST_FRACTION", default_value_t = 0.3)]
+    pub offloaded_block_cost_fraction: f64,
+    /// Softmax temperature in milliseconds of estimated TTFT; 0 = always the cheapest rank.
+    #[arg(long, env = "KVROUTE_TEMPERATURE", default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Add an `x-kvroute-decision` header to every routed response.
+    #[arg(long, env = "KVROUTE_DECISION_HEADER")]
+    pub decision_header: bool,
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    #[arg(long, env = "KVROUTE_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
+    pub request_timeout_ms: u64,
+    #[arg(long, env = "KVROUTE_MAX_RETRIES", default_value_t = 2)]
+    pub max_retries: u32,
+    #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_MS", default_value_t = 5_000)]
+    pub health_interval_ms: u64,
+    #[arg(long, env = "KVROUTE_HEALTH_TIMEOUT_MS", default_value_t = 2_000)]
+    pub health_timeout_ms: u64,
+    /// Consecutive failures that eject a worker.
+    #[arg(long, env = "KVROUTE_EJECT_AFTER_FAILURES", default_value_t = 3)]
+    pub eject_after_failures: u32,
+    #[arg(long, env = "KVROUTE_EJECT_COOLDOWN_MS", default_value_t = 10_000)]
+    pub eject_cooldown_ms: u64,
+}
+
+impl ServeArgs {
+    pub fn into_config(self) -> Result<RouterConfig, String> {
+        let listen: SocketAddr = format!("{}:{}", self.host, self.port)
+            .parse()
+            .map_err(|e| format!("bad --host/--port: {e}"))?;
+        let workers = self
+            .worker_urls
+            .iter()
+            .filter(|s| !s.is_empty())
+            .map(|s| WorkerSpec::parse(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut model_tokenizers = HashMap::new();
+        for item in &self.model_tokenizer {
+            let (model, path) = item
+                .split_once('=')
+                .ok_or_else(|| format!("--model-tokenizer expects MODEL=PATH, got {item}"))?;
+            model_tokenizers.insert(model.to_string(), PathBuf::from(path));
+        }
+        if self.temperature < 0.0 || !self.temperature.is_finite() {
+            return Err("--temperature must be a finite number >= 0".into());
+        }
+        Ok(RouterConfig {
+            listen,
+            workers,
+            policy: self.policy,
+            weights: CostWeights {
+                prefill_cost_us_per_token: self.prefill_cost_us_per_token,
+                decode_penalty_us_per_request: self.decode_penalty_us_per_request,
+                offloaded_block_cost_fraction: self.offloaded_block_cost_fraction,
+                temperature_ms: self.temperature,
+            },
+            tokenizer_path: self.tokenizer_path,
+            model_tokenizers,
+            kv_defaults: KvFlagDefaults {
+                events_endpoint_template: self.kv_events_endpoint_template,
+                replay_port_base: self.kv_events_replay_port_base,
+                block_size: self.block_size,
+                dp_size: self.dp_size,
+            },
+            decision_header: self.decision_header,
+            max_body_bytes: self.max_body_bytes,
+            request_timeout_ms: self.request_timeout_ms,
+            max_retries: self.max_retries,
+            health_interval_ms: self.health_interval_ms,
+            health_timeout_ms: self.health_timeout_ms,
+            eject_after_failures: self.eject_after_failures,
+            eject_cooldown_ms: self.eject_cooldown_ms,
+            ..RouterConfig::default()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_spec_splits_a_model_suffix_but_keeps_plain_urls_whole() {
+        let w = WorkerSpec::parse("http://127.0.0.1:8000@llama").unwrap();
+        assert_eq!(w.url, "http://127.0.0.1:8000");
+        assert_eq!(w.model.as_deref(), Some("llama"));
+        let w = WorkerSpec::parse("http://127.0.0.1:8000/").unwrap();
+        assert_eq!(w.url, "http://127.0.0.1:8000");
+        assert_eq!(w.model, None);
+        assert!(WorkerSpec::parse("127.0.0.1:8000").is_err());
+        assert!(WorkerSpec::parse("http://h:1@").is_err());
+    }
+
+    #[test]
+    fn cli_flags_fill_the_config() {
+        let cli = Cli::parse_from([
+            "kvroute",
+            "--worker-urls",
+            "http://127.0.0.1:1@m",
+            "http://127.0.0.1:2",
+            "--policy",
+            "round-robin",
+            "--model-tokenizer",
+            "m=/tmp/t.json",
+        ]);
+        let cfg = cli.serve.into_config().unwrap();
+        assert_eq!(cfg.workers.len(), 2);
+        assert_eq!(cfg.policy, PolicyKind::RoundRobin);
+        assert_eq!(cfg.model_tokenizers["m"], PathBuf::from("/tmp/t.json"));
+    }
+}

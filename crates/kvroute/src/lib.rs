@@ -1,0 +1,105 @@
+//! kvroute: the cache-aware request router service.
+//!
+//! The library holds all logic so tests and the demo can run a router in-process on port 0
+//! ([`serve`]); `main.rs` only parses flags, sets up logging and waits for a signal.
+//!
+//! Modules, one job each: [`config`] (CLI and config struct), [`registry`] (workers, models,
+//! health), [`tokenize`] (tokenizer, chat template, segment cache), [`kv`] (the bridge to the KV
+//! plane and index), [`policy`] (policies and the cost model), [`router`] (shared state, planning,
+//! health loop), [`proxy`] (forwarding and streaming), [`server`] (HTTP routes), [`metrics`],
+//! [`readiness`], [`error`], [`demo`].
+
+pub mod config;
+pub mod demo;
+pub mod error;
+pub mod kv;
+pub mod metrics;
+pub mod policy;
+pub mod proxy;
+pub mod readiness;
+pub mod registry;
+pub mod router;
+pub mod server;
+pub mod tokenize;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use config::{PolicyKind, RouterConfig, WorkerSpec};
+pub use router::Router;
+
+use registry::WorkerSource;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot bind {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("router setup failed: {0}")]
+    Setup(String),
+}
+
+/// A running router. Dropping it does not stop the server; call [`RouterHandle::shutdown`].
+pub struct RouterHandle {
+    pub addr: SocketAddr,
+    pub router: Arc<Router>,
+    join: tokio::task::JoinHandle<()>,
+}
+
+impl RouterHandle {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops accepting, lets in-flight requests finish (bounded by `shutdown_grace_ms`), stops
+    /// the background tasks.
+    pub async fn shutdown(self) {
+        self.router.shutdown.cancel();
+        let grace = Duration::from_millis(self.router.config.shutdown_grace_ms);
+        let abort = self.join.abort_handle();
+        if tokio::time::timeout(grace, self.join).await.is_err() {
+            tracing::warn!("graceful shutdown exceeded its grace period; aborting open connections");
+            abort.abort();
+        }
+        self.router.kv.shutdown().await;
+    }
+}
+
+/// Starts a router with its own Prometheus registry.
+pub async fn serve(config: RouterConfig) -> Result<RouterHandle, ServeError> {
+    serve_with_registry(config, prometheus::Registry::new()).await
+}
+
+/// Starts a router whose metrics (and the KV plane's) go to `prom`.
+pub async fn serve_with_registry(
+    config: RouterConfig,
+    prom: prometheus::Registry,
+) -> Result<RouterHandle, ServeError> {
+    let listen = config.listen;
+    let source = registry::StaticWorkerSource(config.workers.clone());
+    let router = Arc::new(Router::new(config, prom).map_err(ServeError::Setup)?);
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|source| ServeError::Bind { addr: listen, source })?;
+    let addr = listener.local_addr().map_err(|source| ServeError::Bind { addr: listen, source })?;
+    // First attempt inline so a router started against a running fleet is usable as soon as
+    // `serve` returns; workers not up yet keep being retried in the background.
+    let specs = source.initial_workers();
+    let results = futures::future::join_all(specs.iter().map(|s| router.register(s))).await;
+    for (spec, result) in specs.into_iter().zip(results) {
+        if let Err(e) = result {
+            tracing::warn!(url = %spec.url, error = %e, "start-up registration failed; retrying in background");
+            router.spawn_register_with_retry(spec);
+        }
+    }
+    router.spawn_health_loop();
+    let app = server::app(router.clone());
+    let token = router.shutdown.clone();
+    let join = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(token.cancelled_owned()).await {
+            tracing::error!(error = %e, "server stopped with an error");
+        }
+    });
+    tracing::info!(%addr, source = source.name(), "kvroute listening");
+    Ok(RouterHandle { addr, router, join })
+}

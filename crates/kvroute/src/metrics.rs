@@ -1,0 +1,100 @@
+//! Router metrics, registered in the one Prometheus registry shared with the KV plane.
+//!
+//! Handles are created once at start-up and cloned into the hot path (they are `Arc`s inside),
+//! so recording costs an atomic add, never a registry lookup by name.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+#[derive(Clone)]
+pub struct Metrics {
+    pub registry: Registry,
+    pub requests: IntCounterVec,
+    pub decisions: IntCounterVec,
+    pub routing_latency: HistogramVec,
+    pub matched_blocks: HistogramVec,
+    pub in_flight: IntGaugeVec,
+    pub upstream_failures: IntCounterVec,
+    pub retries: IntCounterVec,
+    pub tokenizer_cache: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new(registry: Registry) -> Result<Metrics, prometheus::Error> {
+        let requests = IntCounterVec::new(
+            Opts::new("kvroute_requests_total", "Requests by route and final status code"),
+            &["route", "status"],
+        )?;
+        let decisions = IntCounterVec::new(
+            Opts::new("kvroute_routing_decisions_total", "Routing decisions by policy and reason"),
+            &["policy", "reason"],
+        )?;
+        let routing_latency = HistogramVec::new(
+            HistogramOpts::new(
+                "kvroute_routing_latency_seconds",
+                "Time to tokenize, hash, match and score one request",
+            )
+            .buckets(vec![
+                0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001,
+                0.002_5, 0.005, 0.01, 0.05,
+            ]),
+            &["policy"],
+        )?;
+        let matched_blocks = HistogramVec::new(
+            HistogramOpts::new(
+                "kvroute_matched_blocks",
+                "Prefix blocks already cached on the chosen rank",
+            )
+            .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0]),
+            &["model"],
+        )?;
+        let in_flight = IntGaugeVec::new(
+            Opts::new("kvroute_in_flight_requests", "Requests in flight per engine rank"),
+            &["worker_url", "dp_rank"],
+        )?;
+        let upstream_failures = IntCounterVec::new(
+            Opts::new("kvroute_upstream_failures_total", "Failed upstream attempts by kind"),
+            &["kind"],
+        )?;
+        let retries = IntCounterVec::new(
+            Opts::new("kvroute_retries_total", "Requests re-sent to another rank"),
+            &["route"],
+        )?;
+        let tokenizer_cache = IntCounterVec::new(
+            Opts::new(
+                "kvroute_tokenizer_cache_total",
+                "Tokenizer segment cache lookups by outcome",
+            ),
+            &["outcome"],
+        )?;
+        registry.register(Box::new(requests.clone()))?;
+        registry.register(Box::new(decisions.clone()))?;
+        registry.register(Box::new(routing_latency.clone()))?;
+        registry.register(Box::new(matched_blocks.clone()))?;
+        registry.register(Box::new(in_flight.clone()))?;
+        registry.register(Box::new(upstream_failures.clone()))?;
+        registry.register(Box::new(retries.clone()))?;
+        registry.register(Box::new(tokenizer_cache.clone()))?;
+        Ok(Metrics {
+            registry,
+            requests,
+            decisions,
+            routing_latency,
+            matched_blocks,
+            in_flight,
+            upstream_failures,
+            retries,
+            tokenizer_cache,
+        })
+    }
+
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let encoder = TextEncoder::new();
+        if let Err(e) = encoder.encode(&self.registry.gather(), &mut buf) {
+            tracing::warn!(error = %e, "metrics encoding failed");
+        }
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}

@@ -1,0 +1,285 @@
+//! Routing policies and the cache-aware cost model.
+//!
+//! Every policy turns a list of routable rank candidates into an ORDER (best first): the first is
+//! the choice, the rest are the retry targets if the first cannot be reached. Unroutable ranks
+//! (unhealthy, ejected) are filtered out before a policy ever sees them, so no policy can pick one.
+//!
+//! Cost model of `cache_aware`: the estimated time to first token on a rank, in milliseconds,
+//!
+//! ```text
+//! uncached  = prompt_tokens - device_hit_tokens - offloaded_hit_tokens * (1 - offloaded_fraction)
+//! cost_ms   = ( (uncached + queued_prefill_tokens) * prefill_cost_us_per_token
+//!             + in_flight * decode_penalty_us_per_request ) / 1000
+//! ```
+//!
+//! where hit tokens come from the rank's contiguous matched prefix (blocks * block size; blocks in
+//! a host/disk tier count as partially paid), `queued_prefill_tokens` is the router's estimate of
+//! prompt tokens it sent to the rank that have not started answering, and `in_flight` is the larger
+//! of the router's own count and the engine-reported running + waiting requests (the engine sees
+//! traffic from other routers; the router sees its own dispatches before the engine reports them).
+//! With `temperature_ms = 0` the cheapest rank wins (exact ties broken at random so equal cold
+//! ranks share load); otherwise a rank is drawn with probability proportional to
+//! `exp(-(cost_ms - min_cost_ms) / temperature_ms)`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use crate::config::{CostWeights, PolicyKind};
+
+/// Engine-reported queue depth of one rank (from the KV plane's LoadStat feed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct EngineLoad {
+    pub running: u64,
+    pub waiting: u64,
+}
+
+/// What a policy knows about one routable rank.
+#[derive(Debug, Clone, Copy)]
+pub struct RankInput {
+    pub matched_blocks: u32,
+    pub device_blocks: u32,
+    pub in_flight: i64,
+    pub queued_prefill_tokens: i64,
+    pub engine: Option<EngineLoad>,
+}
+
+impl RankInput {
+    pub fn effective_in_flight(&self) -> f64 {
+        let router = self.in_flight.max(0) as f64;
+        match self.engine {
+            Some(e) => router.max((e.running + e.waiting) as f64),
+            None => router,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct RankScore {
+    pub uncached_tokens: f64,
+    pub cost_ms: f64,
+    pub probability: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Decision {
+    /// Indices into the candidate list, best first.
+    pub order: Vec<usize>,
+    pub reason: &'static str,
+    /// One per candidate (cost model for cache_aware; load-only cost for the others).
+    pub scores: Vec<RankScore>,
+}
+
+pub struct Policy {
+    pub kind: PolicyKind,
+    pub weights: CostWeights,
+    round_robin_next: AtomicU64,
+    rng: Mutex<StdRng>,
+}
+
+pub fn score(input: &RankInput, prompt_tokens: usize, block_size: usize, w: &CostWeights) -> RankScore {
+    let bs = block_size as f64;
+    let device = input.device_blocks.min(input.matched_blocks) as f64 * bs;
+    let offloaded = (input.matched_blocks.saturating_sub(input.device_blocks)) as f64 * bs;
+    let uncached = (prompt_tokens as f64 - device - offloaded * (1.0 - w.offloaded_block_cost_fraction)).max(0.0);
+    let queued = input.queued_prefill_tokens.max(0) as f64;
+    let cost_us = (uncached + queued) * w.prefill_cost_us_per_token
+        + input.effective_in_flight() * w.decode_penalty_us_per_request;
+    RankScore { uncached_tokens: uncached, cost_ms: cost_us / 1000.0, probability: 0.0 }
+}
+
+impl Policy {
+    pub fn new(kind: PolicyKind, weights: CostWeights, seed: Option<u64>) -> Policy {
+        let rng = match seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        };
+        Policy { kind, weights, round_robin_next: AtomicU64::new(0), rng: Mutex::new(rng) }
+    }
+
+    /// Orders `ranks` (all routable) for a prompt of `prompt_tokens` tokens. `ranks` must not be
+    /// empty.
+    pub fn decide(&self, ranks: &[RankInput], prompt_tokens: usize, block_size: usize) -> Decision {
+        let mut scores: Vec<RankScore> =
+            ranks.iter().map(|r| score(r, prompt_tokens, block_size, &self.weights)).collect();
+        let n = ranks.len();
+        let mut rng = self.rng.lock();
+        let (order, reason) = match self.kind {
+            PolicyKind::CacheAware => {
+                let first = self.pick_cache_aware(&mut scores, &mut rng);
+                let order = order_with_first(first, n, |i| scores[i].cost_ms);
+                let best_match = ranks.iter().map(|r| r.matched_blocks).max().unwrap_or(0);
+                let reason = if prompt_tokens == 0 {
+                    "no_tokens"
+                } else if best_match == 0 {
+                    "cold"
+                } else if ranks[first].matched_blocks == best_match {
+                    "cache_hit"
+                } else {
+                    "load_over_cache"
+                };
+                (order, reason)
+            }
+            PolicyKind::RoundRobin => {
+                let start = (self.round_robin_next.fetch_add(1, Ordering::Relaxed) % n as u64) as usize;
+                ((0..n).map(|i| (start + i) % n).collect(), "round_robin")
+            }
+            PolicyKind::Random => {
+                let mut order: Vec<usize> = (0..n).collect();
+                order.shuffle(&mut *rng);
+                (order, "random")
+            }
+            PolicyKind::PowerOfTwo => {
+                let a = rng.random_range(0..n);
+                let b = if n > 1 { (a + 1 + rng.random_range(0..n - 1)) % n } else { a };
+                let load = |i: usize| ranks[i].effective_in_flight() * 1e9 + ranks[i].queued_prefill_tokens as f64;
+                let first = if load(b) < load(a) { b } else { a };
+                (order_with_first(first, n, load), "power_of_two")
+            }
+            PolicyKind::LeastLoad => {
+                let load = |i: usize| ranks[i].effective_in_flight() * 1e9 + ranks[i].queued_prefill_tokens as f64;
+                let min = (0..n).map(load).fold(f64::INFINITY, f64::min);
+                let ties: Vec<usize> = (0..n).filter(|&i| load(i) == min).collect();
+                let first = ties[rng.random_range(0..ties.len())];
+                (order_with_first(first, n, load), "least_load")
+            }
+        };
+        if self.kind != PolicyKind::CacheAware {
+            for (i, s) in scores.iter_mut().enumerate() {
+                s.probability = if i == order[0] { 1.0 } else { 0.0 };
+            }
+        }
+        Decision { order, reason, scores }
+    }
+
+    /// Fills in probabilities and draws the first choice.
+    fn pick_cache_aware(&self, scores: &mut [RankScore], rng: &mut StdRng) -> usize {
+        let min = scores.iter().map(|s| s.cost_ms).fold(f64::INFINITY, f64::min);
+        let t = self.weights.temperature_ms;
+        if t <= 0.0 {
+            let ties: Vec<usize> = (0..scores.len()).filter(|&i| scores[i].cost_ms <= min).collect();
+            for &i in &ties {
+                scores[i].probability = 1.0 / ties.len() as f64;
+            }
+            return ties[rng.random_range(0..ties.len())];
+        }
+        let mut total = 0.0;
+        for s in scores.iter_mut() {
+            s.probability = (-(s.cost_ms - min) / t).exp();
+            total += s.probability;
+        }
+        for s in scores.iter_mut() {
+            s.probability /= total;
+        }
+        let mut x = rng.random::<f64>();
+        for (i, s) in scores.iter().enumerate() {
+            if x < s.probability {
+                return i;
+            }
+            x -= s.probability;
+        }
+        scores.len() - 1
+    }
+}
+
+/// `first`, then every other index by ascending `key`.
+fn order_with_first(first: usize, n: usize, key: impl Fn(usize) -> f64) -> Vec<usize> {
+    let mut rest: Vec<usize> = (0..n).filter(|&i| i != first).collect();
+    rest.sort_by(|&a, &b| key(a).total_cmp(&key(b)));
+    let mut order = Vec::with_capacity(n);
+    order.push(first);
+    order.extend(rest);
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn idle(matched: u32) -> RankInput {
+        RankInput { matched_blocks: matched, device_blocks: matched, in_flight: 0, queued_prefill_tokens: 0, engine: None }
+    }
+
+    fn policy(kind: PolicyKind) -> Policy {
+        Policy::new(kind, CostWeights::default(), Some(1))
+    }
+
+    #[test]
+    fn cache_aware_prefers_the_rank_holding_the_prefix_when_loads_are_equal() {
+        let d = policy(PolicyKind::CacheAware).decide(&[idle(0), idle(6), idle(2)], 128, 16);
+        assert_eq!(d.order, vec![1, 2, 0]);
+        assert_eq!(d.reason, "cache_hit");
+        assert!(d.scores[1].cost_ms < d.scores[2].cost_ms);
+    }
+
+    #[test]
+    fn cache_aware_leaves_a_cached_rank_that_is_overloaded() {
+        let mut busy = idle(8);
+        busy.in_flight = 50;
+        let d = policy(PolicyKind::CacheAware).decide(&[busy, idle(0)], 128, 16);
+        assert_eq!(d.order[0], 1);
+        assert_eq!(d.reason, "load_over_cache");
+    }
+
+    #[test]
+    fn engine_reported_load_counts_when_it_exceeds_the_routers_own() {
+        let mut a = idle(0);
+        a.engine = Some(EngineLoad { running: 10, waiting: 5 });
+        assert_eq!(a.effective_in_flight(), 15.0);
+        let d = policy(PolicyKind::CacheAware).decide(&[a, idle(0)], 64, 16);
+        assert_eq!(d.order[0], 1);
+    }
+
+    #[test]
+    fn offloaded_blocks_are_worth_less_than_device_blocks() {
+        let w = CostWeights::default();
+        let device = score(&idle(4), 64, 16, &w);
+        let offloaded = score(&RankInput { device_blocks: 0, ..idle(4) }, 64, 16, &w);
+        let cold = score(&idle(0), 64, 16, &w);
+        assert!(device.cost_ms < offloaded.cost_ms && offloaded.cost_ms < cold.cost_ms);
+    }
+
+    #[test]
+    fn positive_temperature_spreads_choices_and_zero_temperature_does_not() {
+        let ranks = [idle(1), idle(0)];
+        let mut w = CostWeights { temperature_ms: 1000.0, ..CostWeights::default() };
+        let hot = Policy::new(PolicyKind::CacheAware, w, Some(3));
+        let picks: std::collections::HashSet<usize> = (0..200).map(|_| hot.decide(&ranks, 32, 16).order[0]).collect();
+        assert_eq!(picks.len(), 2, "a huge temperature must sometimes pick the costlier rank");
+        w.temperature_ms = 0.0;
+        let cold = Policy::new(PolicyKind::CacheAware, w, Some(3));
+        assert!((0..200).all(|_| cold.decide(&ranks, 32, 16).order[0] == 0));
+    }
+
+    #[test]
+    fn round_robin_cycles_through_every_rank() {
+        let p = policy(PolicyKind::RoundRobin);
+        let firsts: Vec<usize> = (0..6).map(|_| p.decide(&[idle(0); 3], 0, 16).order[0]).collect();
+        assert_eq!(firsts, vec![0, 1, 2, 0, 1, 2]);
+    }
+
+    #[test]
+    fn least_load_and_power_of_two_avoid_the_loaded_rank() {
+        let mut busy = idle(0);
+        busy.in_flight = 3;
+        let d = policy(PolicyKind::LeastLoad).decide(&[busy, idle(0)], 0, 16);
+        assert_eq!(d.order, vec![1, 0]);
+        let p = policy(PolicyKind::PowerOfTwo);
+        // With two ranks both are always sampled, so the idle one must win every time.
+        assert!((0..50).all(|_| p.decide(&[busy, idle(0)], 0, 16).order[0] == 1));
+    }
+
+    #[test]
+    fn every_order_is_a_permutation_of_the_candidates() {
+        for kind in PolicyKind::ALL {
+            let p = policy(kind);
+            let d = p.decide(&[idle(0), idle(1), idle(2), idle(3)], 64, 16);
+            let mut o = d.order.clone();
+            o.sort();
+            assert_eq!(o, vec![0, 1, 2, 3], "{kind:?}");
+        }
+    }
+}

@@ -1,0 +1,207 @@
+//! Forwarding a routed request to its engine rank and streaming the answer back.
+//!
+//! Shape and why:
+//! * The response body is the upstream body stream wrapped in [`TrackedStream`]; chunks are
+//!   handed to the client as they arrive (no buffering), and when the client goes away hyper drops
+//!   the body, which drops the upstream response and closes its connection: that is how a client
+//!   disconnect cancels the engine request.
+//! * The wrapper owns the rank's load accounting: in-flight is decremented when the stream ends or
+//!   is dropped (never leaked on an error path), and the request's queued-prefill estimate is
+//!   removed at the first chunk, when the engine has finished prefill.
+//! * Retries happen only when the connection could not be made (no byte was sent upstream, and
+//!   therefore none to the client), at most `max_retries` times, to the next rank in the policy's
+//!   order. A timeout or an error after the request was sent is not retried: the engine may be
+//!   working on it.
+//! * `request_timeout_ms` bounds the wait for the response HEADERS. A streamed generation may
+//!   legitimately run longer than any sensible timeout, so the body is not cut by it.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use futures::Stream;
+
+use crate::error::ApiError;
+use crate::registry::{HealthEvent, RankLoad, Worker};
+use crate::router::{RoutePlan, Router};
+
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+pub const DECISION_HEADER: &str = "x-kvroute-decision";
+
+/// Router-side load of one dispatched request, released exactly once.
+pub struct LoadGuard {
+    rank: Arc<RankLoad>,
+    gauge: prometheus::IntGauge,
+    prefill_tokens: i64,
+    prefill_pending: bool,
+}
+
+impl LoadGuard {
+    pub fn acquire(rank: Arc<RankLoad>, gauge: prometheus::IntGauge, prefill_tokens: i64) -> LoadGuard {
+        rank.in_flight.fetch_add(1, Ordering::Relaxed);
+        rank.queued_prefill_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
+        rank.dispatched_total.fetch_add(1, Ordering::Relaxed);
+        gauge.inc();
+        LoadGuard { rank, gauge, prefill_tokens, prefill_pending: true }
+    }
+
+    pub fn prefill_done(&mut self) {
+        if std::mem::take(&mut self.prefill_pending) {
+            self.rank.queued_prefill_tokens.fetch_sub(self.prefill_tokens, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        self.prefill_done();
+        self.rank.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.gauge.dec();
+    }
+}
+
+type UpstreamStream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
+
+/// The upstream body, passed through chunk by chunk, carrying the load guard.
+pub struct TrackedStream {
+    inner: UpstreamStream,
+    guard: Option<LoadGuard>,
+}
+
+impl Stream for TrackedStream {
+    type Item = Result<Bytes, reqwest::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let polled = self.inner.as_mut().poll_next(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(_))) => {
+                if let Some(g) = self.guard.as_mut() {
+                    g.prefill_done();
+                }
+            }
+            // End or error: release the rank now rather than when hyper drops the body.
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.guard = None,
+            Poll::Pending => {}
+        }
+        polled
+    }
+}
+
+/// Which engine API a request came in on; the path it is forwarded to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    ChatCompletions,
+    Generate,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+            Endpoint::Generate => "/generate",
+        }
+    }
+}
+
+pub struct Forward<'a> {
+    pub endpoint: Endpoint,
+    pub body: serde_json::Map<String, serde_json::Value>,
+    pub request_id: &'a str,
+    pub plan: &'a RoutePlan,
+}
+
+fn upstream_body(fwd: &Forward<'_>, worker: &Worker, dp_rank: u32) -> Result<Vec<u8>, ApiError> {
+    // Only DP engines get the field: an engine without DP may reject an unknown field.
+    if worker.dp_size > 1 {
+        let mut body = fwd.body.clone();
+        body.insert("data_parallel_rank".into(), dp_rank.into());
+        serde_json::to_vec(&body)
+    } else {
+        serde_json::to_vec(&fwd.body)
+    }
+    .map_err(|e| ApiError::Internal(format!("cannot encode upstream body: {e}")))
+}
+
+/// Sends the request to the plan's ranks in order until one answers; returns the streaming
+/// response.
+pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response, ApiError> {
+    let plan = fwd.plan;
+    let attempts = plan.decision.order.len().min(router.config.max_retries as usize + 1);
+    let timeout = Duration::from_millis(router.config.request_timeout_ms);
+    let mut last_error = String::new();
+    for (attempt, &idx) in plan.decision.order.iter().take(attempts).enumerate() {
+        let cand = &plan.candidates[idx];
+        let worker = &cand.worker;
+        if attempt > 0 {
+            router.metrics.retries.with_label_values(&[fwd.endpoint.path()]).inc();
+        }
+        let body = upstream_body(&fwd, worker, cand.dp_rank)?;
+        let gauge = router.metrics.in_flight.with_label_values(&[&worker.url, &cand.dp_rank.to_string()]);
+        let uncached = plan.decision.scores[idx].uncached_tokens as i64;
+        let guard = LoadGuard::acquire(worker.ranks[cand.dp_rank as usize].clone(), gauge, uncached);
+        let request = router
+            .http
+            .post(format!("{}{}", worker.url, fwd.endpoint.path()))
+            .header("content-type", "application/json")
+            .header(REQUEST_ID_HEADER, fwd.request_id)
+            .header(DP_RANK_HEADER, cand.dp_rank.to_string())
+            .body(body);
+        match tokio::time::timeout(timeout, request.send()).await {
+            Err(_) => {
+                router.metrics.upstream_failures.with_label_values(&["timeout"]).inc();
+                router.health_event(worker, HealthEvent::RequestFailed);
+                return Err(ApiError::UpstreamTimeout(router.config.request_timeout_ms));
+            }
+            Ok(Err(e)) if e.is_connect() => {
+                router.metrics.upstream_failures.with_label_values(&["connect"]).inc();
+                router.health_event(worker, HealthEvent::RequestFailed);
+                tracing::warn!(url = %worker.url, error = %e, attempt, "upstream connect failed");
+                last_error = format!("{}: {e}", worker.url);
+                continue;
+            }
+            Ok(Err(e)) => {
+                router.metrics.upstream_failures.with_label_values(&["send"]).inc();
+                router.health_event(worker, HealthEvent::RequestFailed);
+                return Err(ApiError::Upstream(format!("{}: {e}", worker.url)));
+            }
+            Ok(Ok(resp)) => {
+                let status = resp.status();
+                router.health_event(
+                    worker,
+                    if status.is_server_error() { HealthEvent::RequestFailed } else { HealthEvent::RequestOk },
+                );
+                if status.is_server_error() {
+                    router.metrics.upstream_failures.with_label_values(&["status_5xx"]).inc();
+                }
+                let mut headers = HeaderMap::new();
+                if let Some(ct) = resp.headers().get("content-type") {
+                    headers.insert("content-type", ct.clone());
+                }
+                if let Ok(v) = HeaderValue::from_str(fwd.request_id) {
+                    headers.insert(HeaderName::from_static(REQUEST_ID_HEADER), v);
+                }
+                if router.config.decision_header {
+                    let text = plan.header_value(router.policy.kind.as_str(), idx);
+                    if let Ok(v) = HeaderValue::from_str(&text) {
+                        headers.insert(HeaderName::from_static(DECISION_HEADER), v);
+                    }
+                }
+                let stream = TrackedStream { inner: Box::pin(resp.bytes_stream()), guard: Some(guard) };
+                let mut response = Response::new(Body::from_stream(stream));
+                *response.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+                *response.headers_mut() = headers;
+                return Ok(response);
+            }
+        }
+    }
+    Err(ApiError::Upstream(format!("no rank reachable after {attempts} attempts; last: {last_error}")))
+}

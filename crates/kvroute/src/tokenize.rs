@@ -1,0 +1,472 @@
+//! Local tokenization: text and chat requests become the token ids the router hashes.
+//!
+//! Routing must hash exactly what the engine will cache, so the router tokenizes with the model's
+//! own `tokenizer.json` and renders chat messages with the model's `chat_template` (minijinja),
+//! then forwards token ids where the engine API accepts them.
+//!
+//! Chat caching, and why it is exact. A chat request is rendered as a sequence of SEGMENTS: the
+//! text that message `k` adds is `render(messages[..=k])` minus its prefix
+//! `render(messages[..k])`, and the generation prompt is `render(all, add_generation_prompt)`
+//! minus `render(all)`. Each segment is tokenized on its own and looked up in a bounded cache by
+//! (hash, length) of its text, so a shared system prompt or the earlier turns of a conversation
+//! are tokenized once. Concatenating per-segment tokens equals tokenizing the whole rendering only
+//! when no token spans a segment boundary; chat templates put special tokens (which the
+//! pre-tokenizer always splits at) on those boundaries, so this holds for ordinary templates. It
+//! is not assumed: the first [`VERIFY_FIRST_CHATS`] chats of a model, and one in
+//! [`VERIFY_EVERY_NTH_CHAT`] after that, are also tokenized whole and compared; one mismatch
+//! switches that model to whole-text tokenization for good. If a template's rendering of a prefix
+//! is not a prefix of the longer rendering (templates that look at the last message), that request
+//! is tokenized whole.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use serde_json::Value;
+
+/// Chats verified whole-vs-segmented after a model's tokenizer loads.
+pub const VERIFY_FIRST_CHATS: u64 = 32;
+/// After the first ones, one chat in this many is verified.
+pub const VERIFY_EVERY_NTH_CHAT: u64 = 256;
+/// Segments longer than this are tokenized but not cached (one huge document must not evict
+/// every shared system prompt).
+pub const MAX_CACHED_SEGMENT_TOKENS: usize = 32_768;
+/// Upper bound on tokens held by one model's segment cache (4 bytes each).
+pub const SEGMENT_CACHE_TOKENS_MAX: usize = 16 * 1024 * 1024;
+/// Messages accepted in one chat request (rendering is quadratic in the message count).
+pub const MAX_CHAT_MESSAGES: usize = 4_096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    #[error("cannot load tokenizer from {path}: {reason}")]
+    Load { path: PathBuf, reason: String },
+    #[error("tokenization failed: {0}")]
+    Encode(String),
+    #[error("model has no chat template")]
+    NoChatTemplate,
+    #[error("chat template failed: {0}")]
+    Template(String),
+    #[error("invalid messages: {0}")]
+    BadMessages(String),
+}
+
+/// Where a chat's tokens came from; reported in metrics and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatTokenization {
+    /// Every segment was tokenized now or taken from the cache.
+    Segmented { cached_segments: usize, fresh_segments: usize },
+    /// The whole rendering was tokenized (template not prefix-stable, or model fell back).
+    Whole,
+}
+
+/// A bounded approximate-LRU map from segment text (xxh3 hash + length) to its token ids. Two
+/// generations: lookups hit `current` or promote from `previous`; when `current` fills up it
+/// becomes `previous` and the old `previous` is dropped. That bounds memory by entries and by
+/// tokens without per-entry bookkeeping.
+struct SegmentCache {
+    current: HashMap<(u64, usize), Arc<[u32]>>,
+    previous: HashMap<(u64, usize), Arc<[u32]>>,
+    current_tokens: usize,
+    entries_max: usize,
+}
+
+impl SegmentCache {
+    fn new(entries_max: usize) -> Self {
+        SegmentCache {
+            current: HashMap::new(),
+            previous: HashMap::new(),
+            current_tokens: 0,
+            entries_max: entries_max.max(2),
+        }
+    }
+
+    fn get(&mut self, key: (u64, usize)) -> Option<Arc<[u32]>> {
+        if let Some(v) = self.current.get(&key) {
+            return Some(v.clone());
+        }
+        let v = self.previous.remove(&key)?;
+        self.insert(key, v.clone());
+        Some(v)
+    }
+
+    fn insert(&mut self, key: (u64, usize), tokens: Arc<[u32]>) {
+        if tokens.len() > MAX_CACHED_SEGMENT_TOKENS {
+            return;
+        }
+        if self.current.len() >= self.entries_max / 2
+            || self.current_tokens + tokens.len() > SEGMENT_CACHE_TOKENS_MAX / 2
+        {
+            self.previous = std::mem::take(&mut self.current);
+            self.current_tokens = 0;
+        }
+        self.current_tokens += tokens.len();
+        self.current.insert(key, tokens);
+    }
+
+    fn len(&self) -> usize {
+        self.current.len() + self.previous.len()
+    }
+}
+
+/// One model's tokenizer, chat template and segment cache.
+pub struct ModelTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    template: Option<minijinja::Environment<'static>>,
+    bos_token: String,
+    eos_token: String,
+    cache: Mutex<SegmentCache>,
+    chats_seen: AtomicU64,
+    segmented_disabled: AtomicBool,
+    pub path: PathBuf,
+}
+
+fn special_token_text(v: Option<&Value>) -> String {
+    match v {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Object(o)) => o
+            .get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string(),
+        _ => String::new(),
+    }
+}
+
+impl ModelTokenizer {
+    /// Loads `tokenizer.json` (the path may be the file or its directory) and, when present, the
+    /// `chat_template` from the sibling `tokenizer_config.json`.
+    pub fn load(path: &Path, cache_entries_max: usize) -> Result<ModelTokenizer, TokenizeError> {
+        let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
+        let load_err = |reason: String| TokenizeError::Load { path: file.clone(), reason };
+        let tokenizer = tokenizers::Tokenizer::from_file(&file).map_err(|e| load_err(e.to_string()))?;
+        let config_path = file
+            .parent()
+            .map(|d| d.join("tokenizer_config.json"))
+            .unwrap_or_else(|| PathBuf::from("tokenizer_config.json"));
+        let config: Value = match std::fs::read_to_string(&config_path) {
+            Ok(s) => serde_json::from_str(&s).map_err(|e| load_err(format!("tokenizer_config.json: {e}")))?,
+            Err(_) => Value::Null,
+        };
+        let template_src = match config.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            // HF also allows a list of named templates; the one named "default" is the chat one.
+            Some(Value::Array(items)) => items
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .or_else(|| items.first())
+                .and_then(|t| t.get("template"))
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            _ => None,
+        };
+        let template = match template_src {
+            Some(src) => {
+                let mut env = minijinja::Environment::new();
+                env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+                    Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+                });
+                env.add_template_owned("chat", src)
+                    .map_err(|e| load_err(format!("chat_template: {e}")))?;
+                Some(env)
+            }
+            None => None,
+        };
+        Ok(ModelTokenizer {
+            tokenizer,
+            template,
+            bos_token: special_token_text(config.get("bos_token")),
+            eos_token: special_token_text(config.get("eos_token")),
+            cache: Mutex::new(SegmentCache::new(cache_entries_max)),
+            chats_seen: AtomicU64::new(0),
+            segmented_disabled: AtomicBool::new(false),
+            path: file,
+        })
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Tokenizes a completion prompt the way engines do (special tokens such as BOS added).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode(text, true)
+    }
+
+    fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer
+            .encode(text, add_special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+
+    /// Renders messages with the chat template. `messages` must be a JSON array of objects.
+    pub fn render(&self, messages: &[Value], add_generation_prompt: bool) -> Result<String, TokenizeError> {
+        let env = self.template.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
+        let tmpl = env.get_template("chat").map_err(|e| TokenizeError::Template(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => minijinja::Value::from_serialize(messages),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+        })
+        .map_err(|e| TokenizeError::Template(e.to_string()))
+    }
+
+    /// Tokenizes the whole rendering at once (the reference the segmented path must equal).
+    pub fn encode_chat_whole(&self, messages: &[Value]) -> Result<Vec<u32>, TokenizeError> {
+        let text = self.render(messages, true)?;
+        // The template already wrote BOS and role markers, so the tokenizer must not add more.
+        self.encode(&text, false)
+    }
+
+    /// Tokenizes a chat with the per-segment cache (see the module doc for why it is exact).
+    pub fn encode_chat(&self, messages: &[Value]) -> Result<(Vec<u32>, ChatTokenization), TokenizeError> {
+        validate_messages(messages)?;
+        if self.segmented_disabled.load(Ordering::Relaxed) {
+            return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
+        }
+        let Some((tokens, how)) = self.encode_chat_segmented(messages)? else {
+            return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
+        };
+        let n = self.chats_seen.fetch_add(1, Ordering::Relaxed);
+        if n < VERIFY_FIRST_CHATS || n % VERIFY_EVERY_NTH_CHAT == 0 {
+            let whole = self.encode_chat_whole(messages)?;
+            if whole != tokens {
+                tracing::warn!(
+                    tokenizer = %self.path.display(),
+                    "segmented chat tokenization differs from whole-text tokenization; \
+                     disabling the segment cache for this model"
+                );
+                self.segmented_disabled.store(true, Ordering::Relaxed);
+                return Ok((whole, ChatTokenization::Whole));
+            }
+        }
+        Ok((tokens, how))
+    }
+
+    /// `None` when the template is not prefix-stable for these messages.
+    fn encode_chat_segmented(
+        &self,
+        messages: &[Value],
+    ) -> Result<Option<(Vec<u32>, ChatTokenization)>, TokenizeError> {
+        let mut out = Vec::new();
+        let mut prev = String::new();
+        let (mut cached, mut fresh) = (0usize, 0usize);
+        for k in 0..=messages.len() {
+            let rendered = if k < messages.len() {
+                self.render(&messages[..=k], false)?
+            } else {
+                self.render(messages, true)?
+            };
+            let Some(segment) = rendered.strip_prefix(prev.as_str()) else {
+                return Ok(None);
+            };
+            if !segment.is_empty() {
+                let key = (xxhash_rust::xxh3::xxh3_64(segment.as_bytes()), segment.len());
+                let hit = self.cache.lock().get(key);
+                let tokens = match hit {
+                    Some(t) => {
+                        cached += 1;
+                        t
+                    }
+                    None => {
+                        fresh += 1;
+                        let t: Arc<[u32]> = self.encode(segment, false)?.into();
+                        self.cache.lock().insert(key, t.clone());
+                        t
+                    }
+                };
+                out.extend_from_slice(&tokens);
+            }
+            prev = rendered;
+        }
+        Ok(Some((out, ChatTokenization::Segmented { cached_segments: cached, fresh_segments: fresh })))
+    }
+
+    pub fn cached_segments(&self) -> usize {
+        self.cache.lock().len()
+    }
+
+    pub fn segmented_enabled(&self) -> bool {
+        !self.segmented_disabled.load(Ordering::Relaxed)
+    }
+}
+
+fn validate_messages(messages: &[Value]) -> Result<(), TokenizeError> {
+    if messages.is_empty() {
+        return Err(TokenizeError::BadMessages("messages must not be empty".into()));
+    }
+    if messages.len() > MAX_CHAT_MESSAGES {
+        return Err(TokenizeError::BadMessages(format!(
+            "at most {MAX_CHAT_MESSAGES} messages are accepted"
+        )));
+    }
+    for (i, m) in messages.iter().enumerate() {
+        if m.get("role").and_then(Value::as_str).is_none() {
+            return Err(TokenizeError::BadMessages(format!("messages[{i}].role must be a string")));
+        }
+    }
+    Ok(())
+}
+
+/// Turns OpenAI content parts (`[{"type":"text","text":..}]`) into the plain string templates
+/// expect, leaving other fields alone.
+pub fn normalize_messages(messages: &[Value]) -> Vec<Value> {
+    messages
+        .iter()
+        .map(|m| {
+            let mut m = m.clone();
+            if let Some(Value::Array(parts)) = m.get("content") {
+                let text: String = parts
+                    .iter()
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join("");
+                m["content"] = Value::String(text);
+            }
+            m
+        })
+        .collect()
+}
+
+/// Tokenizers by file path, so models sharing one tokenizer share its cache.
+#[derive(Default)]
+pub struct TokenizerSet {
+    loaded: Mutex<HashMap<PathBuf, Arc<ModelTokenizer>>>,
+}
+
+impl TokenizerSet {
+    pub fn get_or_load(&self, path: &Path, cache_entries_max: usize) -> Result<Arc<ModelTokenizer>, TokenizeError> {
+        if let Some(t) = self.loaded.lock().get(path) {
+            return Ok(t.clone());
+        }
+        let t = Arc::new(ModelTokenizer::load(path, cache_entries_max)?);
+        Ok(self.loaded.lock().entry(path.to_path_buf()).or_insert(t).clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_cache_stays_bounded_and_keeps_recent_entries() {
+        let mut c = SegmentCache::new(8);
+        for i in 0..100u64 {
+            c.insert((i, 1), vec![i as u32].into());
+            assert!(c.len() <= 8, "cache grew to {}", c.len());
+        }
+        assert!(c.get((99, 1)).is_some(), "most recent entry must survive");
+        assert!(c.get((0, 1)).is_none(), "oldest entry must have been evicted");
+    }
+
+    #[test]
+    fn a_promoted_entry_survives_the_next_generation_swap() {
+        let mut c = SegmentCache::new(4);
+        c.insert((1, 1), vec![1].into());
+        c.insert((2, 1), vec![2].into()); // swap: {1} becomes previous
+        assert!(c.get((1, 1)).is_some()); // promoted back into current
+        c.insert((3, 1), vec![3].into());
+        assert!(c.get((1, 1)).is_some());
+    }
+
+    #[test]
+    fn oversized_segments_are_not_cached() {
+        let mut c = SegmentCache::new(8);
+        c.insert((1, 1), vec![0u32; MAX_CACHED_SEGMENT_TOKENS + 1].into());
+        assert!(c.get((1, 1)).is_none());
+    }
+
+    #[test]
+    fn messages_without_a_role_are_rejected() {
+        let bad = vec![serde_json::json!({"content": "x"})];
+        assert!(matches!(validate_messages(&bad), Err(TokenizeError::BadMessages(_))));
+        assert!(matches!(validate_messages(&[]), Err(TokenizeError::BadMessages(_))));
+    }
+
+    #[test]
+    fn content_parts_become_plain_text() {
+        let m = normalize_messages(&[serde_json::json!({"role":"user","content":[
+            {"type":"text","text":"a"},{"type":"text","text":"b"}]})]);
+        assert_eq!(m[0]["content"], "ab");
+    }
+}
+
+#[cfg(test)]
+mod real_tokenizer_tests {
+    //! Against the repository's shipped tokenizer and ChatML template (the one the simulated
+    //! engines use), so the equivalence is proven on a real BPE, not a toy.
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use serde_json::json;
+
+    fn shipped() -> ModelTokenizer {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
+        ModelTokenizer::load(&path, 1024).expect("shipped tokenizer loads")
+    }
+
+    const WORDS: &[&str] = &[
+        "the", "router", " cache", "prefix", "token", "\n", "  ", "GPU", "émigré", "日本語", "<|im_end|>",
+        "123", "!", "?", "don't", " hello", "world\n\n", "{json}", "tab\t",
+    ];
+
+    fn random_text(rng: &mut StdRng) -> String {
+        let n = rng.random_range(0..30);
+        (0..n).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect::<Vec<_>>().join(if rng.random_bool(0.5) { " " } else { "" })
+    }
+
+    #[test]
+    fn segmented_chat_tokens_equal_tokenizing_the_whole_rendering() {
+        let tok = shipped();
+        let mut rng = StdRng::seed_from_u64(42);
+        for case in 0..300 {
+            let n = rng.random_range(1..8);
+            let messages: Vec<Value> = (0..n)
+                .map(|i| {
+                    let role = if i == 0 && rng.random_bool(0.5) { "system" } else if i % 2 == 1 { "user" } else { "assistant" };
+                    json!({"role": role, "content": random_text(&mut rng)})
+                })
+                .collect();
+            let whole = tok.encode_chat_whole(&messages).unwrap();
+            let (segmented, _) = tok.encode_chat_segmented(&messages).unwrap().expect("ChatML is prefix-stable");
+            assert_eq!(segmented, whole, "case {case}: {messages:?}");
+        }
+        assert!(tok.segmented_enabled());
+    }
+
+    #[test]
+    fn a_later_turn_reuses_the_cached_segments_of_earlier_turns() {
+        let tok = shipped();
+        let system = json!({"role": "system", "content": "You are a meticulous assistant. ".repeat(20)});
+        let turn1 = vec![system.clone(), json!({"role": "user", "content": "first question"})];
+        let (_, how1) = tok.encode_chat(&turn1).unwrap();
+        assert_eq!(how1, ChatTokenization::Segmented { cached_segments: 0, fresh_segments: 3 });
+        let turn2 = vec![
+            system,
+            json!({"role": "user", "content": "first question"}),
+            json!({"role": "assistant", "content": "an answer"}),
+            json!({"role": "user", "content": "second question"}),
+        ];
+        let (tokens, how2) = tok.encode_chat(&turn2).unwrap();
+        // system, user 1 and the generation prompt are reused; assistant and user 2 are new.
+        assert_eq!(how2, ChatTokenization::Segmented { cached_segments: 3, fresh_segments: 2 });
+        assert_eq!(tokens, tok.encode_chat_whole(&turn2).unwrap());
+    }
+
+    #[test]
+    fn a_template_that_is_not_prefix_stable_falls_back_to_whole_tokenization() {
+        let mut tok = shipped();
+        // Renders the message count first, so a prefix rendering is never a prefix of the next.
+        let mut env = minijinja::Environment::new();
+        env.add_template_owned("chat", "{{ messages|length }}{% for m in messages %}[{{ m.content }}]{% endfor %}".to_string())
+            .unwrap();
+        tok.template = Some(env);
+        let msgs = vec![json!({"role": "user", "content": "a"}), json!({"role": "user", "content": "b"})];
+        let (tokens, how) = tok.encode_chat(&msgs).unwrap();
+        assert_eq!(how, ChatTokenization::Whole);
+        assert_eq!(tokens, tok.encode_chat_whole(&msgs).unwrap());
+    }
+}

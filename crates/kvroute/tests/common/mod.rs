@@ -1,0 +1,84 @@
+//! Shared helpers of the router's end-to-end tests: a simulated fleet (real HTTP, real ZMQ) from
+//! `kvroute-sim`, a router started in-process on port 0, and condition waits with deadlines.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use kvroute::{RouterConfig, WorkerSpec};
+use kvroute_sim::{Fleet, SimConfig};
+use serde_json::Value;
+
+pub const WAIT_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Polls `probe` until it returns `Some`, or panics after `deadline` naming what was awaited and
+/// the last thing seen.
+pub async fn wait_until<T, F, Fut>(what: &str, deadline: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, String>>,
+{
+    let start = Instant::now();
+    let mut last;
+    loop {
+        match probe().await {
+            Ok(v) => return v,
+            Err(seen) => last = seen,
+        }
+        if start.elapsed() > deadline {
+            panic!("timed out after {deadline:?} waiting for {what}; last seen: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub fn tokenizer_path() -> std::path::PathBuf {
+    kvroute_sim::config::default_tokenizer_path()
+}
+
+/// `engines` simulated engines with `dp_size` ranks each, OS-assigned ports, no delays.
+pub async fn fleet(engines: usize, dp_size: usize, model: &str) -> Fleet {
+    let cfg = SimConfig {
+        engines,
+        dp_size,
+        served_model_name: model.to_string(),
+        ..SimConfig::for_tests()
+    };
+    kvroute_sim::start_fleet(cfg).await.expect("fleet starts")
+}
+
+pub fn urls(fleet: &Fleet) -> Vec<String> {
+    fleet.engines.iter().map(|e| e.http_url()).collect()
+}
+
+/// A router config over `urls` with the repository tokenizer and a fixed seed.
+pub fn router_config(urls: &[String]) -> RouterConfig {
+    RouterConfig {
+        workers: urls.iter().map(|u| WorkerSpec::parse(u).unwrap()).collect(),
+        tokenizer_path: Some(tokenizer_path()),
+        decision_header: true,
+        rng_seed: Some(11),
+        health_interval_ms: 60_000,
+        ..RouterConfig::default()
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder().build().unwrap()
+}
+
+pub async fn post_json(url: &str, body: &Value) -> (u16, Value, reqwest::header::HeaderMap) {
+    let resp = client().post(url).json(body).send().await.expect("request sent");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.json::<Value>().await.unwrap_or(Value::Null);
+    (status, body, headers)
+}
+
+pub fn decision(headers: &reqwest::header::HeaderMap) -> String {
+    headers
+        .get("x-kvroute-decision")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string()
+}
