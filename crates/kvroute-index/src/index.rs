@@ -30,6 +30,7 @@ use kvroute_wire::snapshot::{RankCursor, RankRef};
 use parking_lot::{Mutex, RwLock};
 
 use crate::hash::{chain_hash, namespace_seed};
+use crate::table::HashSlots;
 
 /// Tier bits, as in the snapshot format.
 pub const TIER_DEVICE: u8 = 1;
@@ -50,6 +51,8 @@ pub const DEFAULT_MAX_CARRIED_BLOCKS: u64 = 50_000_000;
 /// Blocks of one removal event applied under one shard write lock before it is released, which
 /// bounds how long a reader can wait behind a huge removal.
 pub const MAX_BLOCKS_PER_LOCK: usize = 4096;
+/// Block lookups issued together by `match_prefix` (see there).
+pub const MATCH_BATCH_BLOCKS: usize = 32;
 /// Eviction brings the carried count down to this share of the cap so it runs rarely.
 pub const EVICT_TARGET_PERCENT: u64 = 95;
 
@@ -106,6 +109,12 @@ impl PrefixMatch {
 
     pub fn get(&self, rank: RankId) -> Option<RankMatch> {
         self.ranks.iter().find(|m| m.rank == rank).copied()
+    }
+
+    fn reset_slots(&mut self) {
+        for m in &self.ranks {
+            self.slot[m.rank.0 as usize] = 0;
+        }
     }
 
     pub fn max_matched_blocks(&self) -> u32 {
@@ -220,7 +229,7 @@ struct CarrierList {
 pub(crate) struct Shard {
     pub(crate) nodes: Vec<Node>,
     free: Vec<u32>,
-    by_hash: HashTable<u32>,
+    by_hash: HashSlots,
     lists: Vec<CarrierList>,
     free_lists: Vec<u32>,
     /// Bumped by every write, so the exporter can tell whether a shard moved between chunks.
@@ -239,7 +248,7 @@ impl Shard {
         Self {
             nodes: Vec::new(),
             free: Vec::new(),
-            by_hash: HashTable::new(),
+            by_hash: HashSlots::default(),
             lists: Vec::new(),
             free_lists: Vec::new(),
             mutations: 0,
@@ -249,16 +258,13 @@ impl Shard {
     pub(crate) fn reserve_nodes(&mut self, additional: usize) {
         self.nodes.reserve(additional);
         let nodes = &self.nodes;
-        self.by_hash
-            .reserve(additional, |&i| nodes[i as usize].hash);
+        self.by_hash.reserve(additional, |i| nodes[i as usize].hash);
     }
 
     #[inline]
     pub(crate) fn find(&self, hash: u64) -> Option<u32> {
         let nodes = &self.nodes;
-        self.by_hash
-            .find(hash, |&i| nodes[i as usize].hash == hash)
-            .copied()
+        self.by_hash.find(hash, |i| nodes[i as usize].hash)
     }
 
     /// The node's carrier words (see [`word`]).
@@ -290,7 +296,13 @@ impl Shard {
     }
 
     /// Finds or creates the node for `hash` under `parent`; `None` when the slab is full.
-    fn find_or_create(&mut self, hash: u64, parent: u32, max_nodes: u32, clock: u32) -> Option<u32> {
+    fn find_or_create(
+        &mut self,
+        hash: u64,
+        parent: u32,
+        max_nodes: u32,
+        clock: u32,
+    ) -> Option<u32> {
         if let Some(i) = self.find(hash) {
             return Some(i);
         }
@@ -324,7 +336,7 @@ impl Shard {
         }
         let nodes = &self.nodes;
         self.by_hash
-            .insert_unique(hash, idx, |&i| nodes[i as usize].hash);
+            .insert_unique(hash, idx, |i| nodes[i as usize].hash);
         Some(idx)
     }
 
@@ -345,7 +357,12 @@ impl Shard {
                 return (CarrierChange::Added, 0, None);
             }
             if word_rank(node.inline_word) == rank {
-                return update_carrier(&mut node.inline_word, &mut node.inline_engine, tiers, engine);
+                return update_carrier(
+                    &mut node.inline_word,
+                    &mut node.inline_engine,
+                    tiers,
+                    engine,
+                );
             }
             let (first_word, first_engine) = (node.inline_word, node.inline_engine);
             let list_idx = match self.free_lists.pop() {
@@ -408,9 +425,11 @@ impl Shard {
         }
         let list_idx = node.overflow as usize;
         let list = &mut self.lists[list_idx];
-        let pos = list.words.iter().zip(&list.engines).position(|(&w, &e)| {
-            word_rank(w) == rank && engine.is_none_or(|x| x == e)
-        })?;
+        let pos = list
+            .words
+            .iter()
+            .zip(&list.engines)
+            .position(|(&w, &e)| word_rank(w) == rank && engine.is_none_or(|x| x == e))?;
         let before = word_tiers(list.words[pos]);
         let after = before & !mask;
         let eng = list.engines[pos];
@@ -446,12 +465,7 @@ impl Shard {
             }
             let (hash, parent) = (node.hash, node.parent);
             let nodes = &self.nodes;
-            if let Ok(entry) = self
-                .by_hash
-                .find_entry(hash, |&i| nodes[i as usize].hash == hash)
-            {
-                entry.remove();
-            }
+            self.by_hash.remove(hash, |i| nodes[i as usize].hash);
             let node = &mut self.nodes[idx as usize];
             node.depth = FREE_DEPTH;
             node.parent = NONE;
@@ -1090,27 +1104,47 @@ impl IndexWriter {
     }
 
     /// Adds a carrier during restore; `parent` is a node ref or `None` for a root.
+    /// Adds a carrier during restore. Side maps are filled afterwards, rank by rank
+    /// ([`IndexWriter::restore_side_entries`]), so each rank's map stays cache-resident while it
+    /// is built; an engine hash this carrier replaced is queued in `displaced`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn restore_carrier(
-        &mut self,
+        &self,
         rank: RankId,
         node_ref: u32,
         tiers: u8,
         engine: u64,
         shard: &mut Shard,
         delta_tiers: &mut RestoreDelta,
+        displaced: &mut Vec<(RankId, u64, u32)>,
     ) {
-        let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) else {
-            return;
-        };
         let (_, idx) = self.shared.split_ref(node_ref);
         let (change, before, old_engine) = shard.add_carrier(idx, rank.0, tiers, engine);
         if change != CarrierChange::Unchanged {
             delta_tiers.record(rank, before, before | tiers);
         }
         if let Some(old) = old_engine {
+            displaced.push((rank, old, node_ref));
+        }
+    }
+
+    /// Drops side entries of replaced engine hashes, then inserts `(engine, node_ref)` pairs.
+    pub(crate) fn restore_side_entries(
+        &mut self,
+        rank: RankId,
+        displaced: &[(u64, u32)],
+        entries: &[(u64, u32)],
+    ) {
+        let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) else {
+            return;
+        };
+        for &(old, node_ref) in displaced {
             side_remove_if(&mut wr.side, old, node_ref);
         }
-        side_put(&mut wr.side, engine, node_ref);
+        wr.side.reserve(entries.len(), |e| mix_engine(e.engine()));
+        for &(engine, node_ref) in entries {
+            side_put(&mut wr.side, engine, node_ref);
+        }
     }
 
     pub(crate) fn flush_restore_delta(&mut self, d: &mut RestoreDelta) {
@@ -1122,14 +1156,9 @@ impl IndexWriter {
         d.per_rank.clear();
     }
 
-    /// Pre-sizes a rank's side map and every shard for a restore of known size, so the bulk
-    /// insert does not rehash repeatedly.
-    pub(crate) fn reserve_for_restore(&mut self, per_rank: &[(RankId, usize)], nodes: usize) {
-        for &(rank, n) in per_rank {
-            if let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) {
-                wr.side.reserve(n, |e| mix_engine(e.engine()));
-            }
-        }
+    /// Pre-sizes every shard for a restore of `nodes` nodes so the bulk insert does not rehash
+    /// repeatedly.
+    pub(crate) fn reserve_for_restore(&mut self, nodes: usize) {
         let per_shard = nodes / self.shared.shards.len() + nodes / self.shared.shards.len() / 8;
         for s in self.shared.shards.iter() {
             s.write().reserve_nodes(per_shard);
@@ -1177,6 +1206,109 @@ impl RestoreDelta {
     }
 }
 
+/// State of one prefix walk under a shard read lock.
+///
+/// Run compression: along a shared prefix consecutive nodes usually have the very same carrier
+/// words (same ranks, same tiers). When the previous node advanced ALL its carriers and this
+/// node's words are equal, every one of them advances again, so only a counter moves; the
+/// per-rank update is applied once when the run ends. This turns "blocks x carriers" work on a
+/// prefix shared by 64 ranks into one slice comparison per block.
+///
+/// Batching: the lookups of one batch are independent of each other, so the CPU overlaps their
+/// cache misses instead of paying them one after another (the index is far larger than cache).
+/// At most one batch of lookups is wasted past the end of the match.
+struct Walk<'a> {
+    shard: &'a Shard,
+    clock: u32,
+    prev_words: &'a [u32],
+    prev_full: bool,
+    pending: u32,
+}
+
+impl<'a> Walk<'a> {
+    fn new(shard: &'a Shard, clock: u32) -> Self {
+        Self {
+            shard,
+            clock,
+            prev_words: &[],
+            prev_full: false,
+            pending: 0,
+        }
+    }
+
+    /// Processes blocks `first..first + batch.len()`; false once the walk has ended.
+    fn batch(&mut self, first: usize, batch: &[u64], out: &mut PrefixMatch) -> bool {
+        let shard = self.shard;
+        let mut words_of: [&[u32]; MATCH_BATCH_BLOCKS] = [&[]; MATCH_BATCH_BLOCKS];
+        let mut found: [u32; MATCH_BATCH_BLOCKS] = [NONE; MATCH_BATCH_BLOCKS];
+        for (slot, &h) in found.iter_mut().zip(batch) {
+            *slot = shard.find(h).unwrap_or(NONE);
+        }
+        for (w, &idx) in words_of.iter_mut().zip(&found[..batch.len()]) {
+            if idx != NONE {
+                *w = shard.words(&shard.nodes[idx as usize]);
+            }
+        }
+        for k in 0..batch.len() {
+            let idx = found[k];
+            if idx == NONE {
+                return false;
+            }
+            let node = &shard.nodes[idx as usize];
+            // Only write when the stamp changes so hot shared prefixes do not bounce a cache
+            // line between routing threads on every request.
+            if node.stamp.load(Relaxed) != self.clock {
+                node.stamp.store(self.clock, Relaxed);
+            }
+            let words = words_of[k];
+            if self.prev_full && words == self.prev_words {
+                self.pending += 1;
+                continue;
+            }
+            flush_run(out, self.prev_words, &mut self.pending);
+            let i = (first + k) as u32;
+            let mut advanced = 0usize;
+            for &w in words {
+                let rank = word_rank(w) as usize;
+                let device = word_tiers(w) & TIER_DEVICE != 0;
+                if i == 0 {
+                    if out.slot.len() <= rank {
+                        out.slot.resize(rank + 1, 0);
+                    }
+                    out.ranks.push(RankMatch {
+                        rank: RankId(rank as u32),
+                        matched_blocks: 1,
+                        device_blocks: u32::from(device),
+                    });
+                    out.slot[rank] = out.ranks.len() as u32;
+                    advanced += 1;
+                } else if let Some(&pos) = out.slot.get(rank)
+                    && pos != 0
+                {
+                    let m = &mut out.ranks[pos as usize - 1];
+                    if m.matched_blocks == i {
+                        m.matched_blocks = i + 1;
+                        advanced += 1;
+                        if device && m.device_blocks == i {
+                            m.device_blocks = i + 1;
+                        }
+                    }
+                }
+            }
+            if advanced == 0 {
+                return false;
+            }
+            self.prev_full = advanced == words.len();
+            self.prev_words = words;
+        }
+        true
+    }
+
+    fn finish(mut self, out: &mut PrefixMatch) {
+        flush_run(out, self.prev_words, &mut self.pending);
+    }
+}
+
 /// Applies `pending` extra blocks to every rank of a run (see `match_prefix`): each advances its
 /// any-tier depth, and its device depth too when that was still contiguous and the rank's word
 /// has the device bit (words are identical along the run, so the tiers are too).
@@ -1215,70 +1347,84 @@ impl IndexReader {
         };
         let clock = self.shared.clock.load(Relaxed);
         let shard = self.shared.shards[self.shared.shard_of_root(first)].read();
-        // Run compression: along a shared prefix consecutive nodes usually have the very same
-        // carrier words (same ranks, same tiers). When the previous node advanced ALL its
-        // carriers and this node's words are equal, every one of them advances again, so only a
-        // counter moves; the per-rank update is applied once when the run ends. This turns
-        // "blocks x carriers" work on a prefix shared by 64 ranks into one slice compare a block.
-        let mut prev_words: &[u32] = &[];
-        let mut prev_full = false;
-        let mut pending = 0u32;
-        for (i, &h) in hashes.iter().enumerate() {
-            let Some(idx) = shard.find(h) else {
+        for &h in hashes.iter().take(MATCH_BATCH_BLOCKS) {
+            shard.by_hash.prefetch(h);
+        }
+        let mut walk = Walk::new(&shard, clock);
+        for (b, batch) in hashes.chunks(MATCH_BATCH_BLOCKS).enumerate() {
+            // Slots of the NEXT batch load while this one is looked up and processed.
+            for &h in hashes
+                .iter()
+                .skip((b + 1) * MATCH_BATCH_BLOCKS)
+                .take(MATCH_BATCH_BLOCKS)
+            {
+                shard.by_hash.prefetch(h);
+            }
+            if !walk.batch(b * MATCH_BATCH_BLOCKS, batch, out) {
                 break;
-            };
-            let node = &shard.nodes[idx as usize];
-            // Only write when the stamp changes so hot shared prefixes do not bounce a cache line
-            // between routing threads on every request.
-            if node.stamp.load(Relaxed) != clock {
-                node.stamp.store(clock, Relaxed);
             }
-            let words = shard.words(node);
-            if prev_full && words == prev_words {
-                pending += 1;
-                continue;
+        }
+        walk.finish(out);
+        drop(shard);
+        out.reset_slots();
+    }
+
+    /// [`match_prefix`](Self::match_prefix) fused with [`hash_token_blocks`]: hashes `tokens`
+    /// (full blocks of the index's block size, namespace `namespace`) a batch at a time, looking
+    /// each batch up while the next is hashed, and STOPS hashing once no rank can match further.
+    /// On return `hashes` holds the hashes computed: the matched prefix plus at most two batches,
+    /// not necessarily every block of the prompt.
+    ///
+    /// [`hash_token_blocks`]: crate::hash::hash_token_blocks
+    pub fn match_tokens(
+        &self,
+        tokens: &[u32],
+        namespace: u64,
+        hashes: &mut Vec<u64>,
+        out: &mut PrefixMatch,
+    ) {
+        out.ranks.clear();
+        hashes.clear();
+        let bs = self.shared.cfg.block_size as usize;
+        if bs == 0 {
+            return;
+        }
+        let mut blocks = tokens.chunks_exact(bs);
+        let mut parent = namespace;
+        let mut hash_batch = |hashes: &mut Vec<u64>| -> usize {
+            let start = hashes.len();
+            for block in blocks.by_ref().take(MATCH_BATCH_BLOCKS) {
+                parent = chain_hash(parent, block, None);
+                hashes.push(parent);
             }
-            flush_run(out, prev_words, &mut pending);
-            let i = i as u32;
-            let mut advanced = 0usize;
-            for &w in words {
-                let rank = word_rank(w) as usize;
-                let device = word_tiers(w) & TIER_DEVICE != 0;
-                if i == 0 {
-                    if out.slot.len() <= rank {
-                        out.slot.resize(rank + 1, 0);
-                    }
-                    out.ranks.push(RankMatch {
-                        rank: RankId(rank as u32),
-                        matched_blocks: 1,
-                        device_blocks: u32::from(device),
-                    });
-                    out.slot[rank] = out.ranks.len() as u32;
-                    advanced += 1;
-                } else if let Some(&pos) = out.slot.get(rank)
-                    && pos != 0
-                {
-                    let m = &mut out.ranks[pos as usize - 1];
-                    if m.matched_blocks == i {
-                        m.matched_blocks = i + 1;
-                        advanced += 1;
-                        if device && m.device_blocks == i {
-                            m.device_blocks = i + 1;
-                        }
-                    }
+            hashes.len() - start
+        };
+        if hash_batch(hashes) == 0 {
+            return;
+        }
+        let clock = self.shared.clock.load(Relaxed);
+        let shard = self.shared.shards[self.shared.shard_of_root(hashes[0])].read();
+        for &h in hashes.iter() {
+            shard.by_hash.prefetch(h);
+        }
+        let mut walk = Walk::new(&shard, clock);
+        let mut start = 0;
+        loop {
+            let end = hashes.len();
+            // Hash (and prefetch) the next batch while this batch's slots are in flight.
+            if hash_batch(hashes) > 0 {
+                for &h in &hashes[end..] {
+                    shard.by_hash.prefetch(h);
                 }
             }
-            if advanced == 0 {
+            if !walk.batch(start, &hashes[start..end], out) || hashes.len() == end {
                 break;
             }
-            prev_full = advanced == words.len();
-            prev_words = words;
+            start = end;
         }
-        flush_run(out, prev_words, &mut pending);
+        walk.finish(out);
         drop(shard);
-        for m in &out.ranks {
-            out.slot[m.rank.0 as usize] = 0;
-        }
+        out.reset_slots();
     }
 
     pub fn ranks(&self) -> Vec<(RankId, RankRef)> {

@@ -6,6 +6,7 @@
 pub mod hash;
 pub mod index;
 pub mod snapshot;
+mod table;
 
 pub use index::{
     ApplyReport, IndexConfig, IndexCounters, IndexReader, IndexWriter, PrefixIndex, PrefixMatch,

@@ -460,19 +460,10 @@ impl IndexWriter {
         };
         let shared = self.shared.clone();
         let n = &s.nodes;
-        let mut per_rank = vec![0usize; s.ranks.len()];
-        for &r in &n.carrier_rank {
-            per_rank[r as usize] += 1;
-        }
-        let reserve: Vec<(RankId, usize)> = report
-            .rank_map
-            .iter()
-            .copied()
-            .zip(per_rank)
-            .collect();
-        self.reserve_for_restore(&reserve, n.len());
+        self.reserve_for_restore(n.len());
         let mut node_ref_of = vec![NONE; n.len()];
         let mut delta = RestoreDelta::default();
+        let mut displaced: Vec<(RankId, u64, u32)> = Vec::new();
         let mut i = 0usize;
         while i < n.len() {
             // Lock the shard of node i and keep it while the following nodes stay in it.
@@ -528,6 +519,7 @@ impl IndexWriter {
                         n.carrier_engine_hash[c],
                         &mut shard,
                         &mut delta,
+                        &mut displaced,
                     );
                     report.carriers += 1;
                 }
@@ -536,6 +528,41 @@ impl IndexWriter {
             }
         }
         self.flush_restore_delta(&mut delta);
+        // Side maps, rank by rank: carriers bucketed by snapshot rank (counting sort) so each
+        // rank's map is built while it is hot in cache.
+        let ranks = s.ranks.len();
+        let mut start = vec![0usize; ranks + 1];
+        for &r in &n.carrier_rank {
+            start[r as usize + 1] += 1;
+        }
+        for r in 0..ranks {
+            start[r + 1] += start[r];
+        }
+        let mut fill = start.clone();
+        let mut by_rank: Vec<(u64, u32)> = vec![(0, NONE); n.carrier_rank.len()];
+        for (node, &node_ref) in node_ref_of.iter().enumerate() {
+            if node_ref == NONE {
+                continue;
+            }
+            let c_start = if node == 0 {
+                0
+            } else {
+                n.carrier_end[node - 1] as usize
+            };
+            for c in c_start..n.carrier_end[node] as usize {
+                let r = n.carrier_rank[c] as usize;
+                by_rank[fill[r]] = (n.carrier_engine_hash[c], node_ref);
+                fill[r] += 1;
+            }
+        }
+        displaced.sort_unstable_by_key(|d| d.0);
+        for r in 0..ranks {
+            let local = report.rank_map[r];
+            let lo = displaced.partition_point(|d| d.0 < local);
+            let hi = displaced.partition_point(|d| d.0 <= local);
+            let mine: Vec<(u64, u32)> = displaced[lo..hi].iter().map(|d| (d.1, d.2)).collect();
+            self.restore_side_entries(local, &mine, &by_rank[start[r]..fill[r]]);
+        }
         for c in &s.cursors {
             let local = report.rank_map[c.rank as usize];
             report.cursors.push(RankCursor {

@@ -422,3 +422,64 @@ fn concurrent_readers_never_see_a_partially_applied_store() {
         );
     }
 }
+
+#[test]
+fn long_prompts_match_exactly_across_lookup_batches_with_both_match_paths() {
+    use kvroute_index::hash::BASE_NAMESPACE;
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let a = w.add_rank(rank_ref(0));
+    let b = w.add_rank(rank_ref(1));
+    let c = w.add_rank(rank_ref(2));
+    // 100 blocks for a; b holds the first 70 (blocks 40.. on host only); c holds 33 blocks.
+    let t = tokens(40, 100, BS);
+    let ea: Vec<u64> = (0..100).collect();
+    w.apply_event(a, &stored(&ea, None, t.clone(), BS, None));
+    w.apply_event(b, &stored(&ea[..40], None, t[..160].to_vec(), BS, None));
+    w.apply_event(
+        b,
+        &stored(
+            &ea[40..70],
+            Some(39),
+            t[160..280].to_vec(),
+            BS,
+            Some(Medium::Host),
+        ),
+    );
+    w.apply_event(c, &stored(&ea[..33], None, t[..132].to_vec(), BS, None));
+    let mut query = t.clone();
+    query.extend(tokens(41, 300, BS));
+    let want = vec![
+        RankMatch {
+            rank: a,
+            matched_blocks: 100,
+            device_blocks: 100,
+        },
+        RankMatch {
+            rank: b,
+            matched_blocks: 70,
+            device_blocks: 40,
+        },
+        RankMatch {
+            rank: c,
+            matched_blocks: 33,
+            device_blocks: 33,
+        },
+    ];
+    let mut m = PrefixMatch::new();
+    r.match_prefix(&hashes_of(&query, BS), &mut m);
+    let mut got = m.ranks.clone();
+    got.sort_by_key(|x| x.rank);
+    assert_eq!(got, want, "match_prefix");
+    let mut hs = Vec::new();
+    r.match_tokens(&query, BASE_NAMESPACE, &mut hs, &mut m);
+    let mut got = m.ranks.clone();
+    got.sort_by_key(|x| x.rank);
+    assert_eq!(got, want, "match_tokens");
+    let limit = 100 + 2 * kvroute_index::index::MATCH_BATCH_BLOCKS;
+    assert!(
+        hs.len() <= limit,
+        "match_tokens stops hashing after the match ends, hashed {}",
+        hs.len()
+    );
+    assert!(hs.len() >= 100);
+}

@@ -265,7 +265,7 @@ fn index_matches(r: &IndexReader, q: &[u64]) -> HashMap<RankRef, (u32, u32)> {
         .collect()
 }
 
-fn queries(model: &Model, extra: &[(usize, Vec<u8>)]) -> Vec<Vec<u64>> {
+fn query_tokens(model: &Model, extra: &[(usize, Vec<u8>)]) -> Vec<Vec<u32>> {
     let mut paths: Vec<&Vec<u32>> = model.paths.values().collect();
     paths.sort();
     let mut out = Vec::new();
@@ -278,9 +278,16 @@ fn queries(model: &Model, extra: &[(usize, Vec<u8>)]) -> Vec<Vec<u64>> {
         for &b in tail {
             tokens.extend(block_tokens(b));
         }
-        out.push(hashes_of(&tokens, BS));
+        out.push(tokens);
     }
     out
+}
+
+fn queries(model: &Model, extra: &[(usize, Vec<u8>)]) -> Vec<Vec<u64>> {
+    query_tokens(model, extra)
+        .iter()
+        .map(|t| hashes_of(t, BS))
+        .collect()
 }
 
 fn check_against_model(h: &Harness, model: &Model, qs: &[Vec<u64>]) -> Result<(), TestCaseError> {
@@ -324,8 +331,20 @@ proptest! {
             let (slot, ev) = step(&mut model, op);
             apply(&mut h, slot, ev);
         }
+        let tq = query_tokens(&model, &qs);
         let qs = queries(&model, &qs);
         check_against_model(&h, &model, &qs)?;
+        // The fused hash-and-match path must agree with hashing first.
+        let (mut a, mut b, mut hs) = (PrefixMatch::new(), PrefixMatch::new(), Vec::new());
+        for (t, q) in tq.iter().zip(&qs) {
+            h.r.match_prefix(q, &mut a);
+            h.r.match_tokens(t, BASE_NAMESPACE, &mut hs, &mut b);
+            let (mut x, mut y) = (a.ranks.clone(), b.ranks.clone());
+            x.sort_by_key(|m| m.rank);
+            y.sort_by_key(|m| m.rank);
+            prop_assert_eq!(x, y);
+            prop_assert!(q.starts_with(&hs), "match_tokens hashes must be a prefix of all hashes");
+        }
     }
 
     #[test]

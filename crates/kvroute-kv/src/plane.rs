@@ -165,11 +165,13 @@ impl KvPlane {
             });
         };
         if kv.dp_size == 0 || kv.dp_size > crate::discovery::DP_SIZE_MAX {
-            return Err(KvPlaneError::Endpoint(DiscoveryError::BadKvEvents(format!(
-                "dp_size {} outside 1..={}",
-                kv.dp_size,
-                crate::discovery::DP_SIZE_MAX
-            ))));
+            return Err(KvPlaneError::Endpoint(DiscoveryError::BadKvEvents(
+                format!(
+                    "dp_size {} outside 1..={}",
+                    kv.dp_size,
+                    crate::discovery::DP_SIZE_MAX
+                ),
+            )));
         }
         // Resolve every endpoint before touching any state, so a bad config leaves nothing behind.
         let mut endpoints = Vec::with_capacity(kv.dp_size as usize);

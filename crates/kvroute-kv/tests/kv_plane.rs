@@ -418,11 +418,12 @@ async fn block_size_mismatch_is_refused_and_counted() {
     assert!(status_of(&plane, "http://127.0.0.1:1", 0).is_none());
     let no_ranks = KvEventsConfig {
         dp_size: 0,
-        ..kv_config_from_template("http://127.0.0.1:2", "tcp://{host}:1", None, Some(4), 1)
-            .unwrap()
+        ..kv_config_from_template("http://127.0.0.1:2", "tcp://{host}:1", None, Some(4), 1).unwrap()
     };
     assert!(matches!(
-        plane.add_worker("http://127.0.0.1:2", MODEL, no_ranks).await,
+        plane
+            .add_worker("http://127.0.0.1:2", MODEL, no_ranks)
+            .await,
         Err(KvPlaneError::Endpoint(_))
     ));
     plane.shutdown().await;
@@ -635,4 +636,47 @@ async fn registration_does_not_wait_for_an_engine_that_is_not_up_yet() {
     assert_eq!(carried_depth(&plane, &url, 0, &tokens), 3);
     plane.shutdown().await;
     fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_engine_encoding_is_indexed_at_full_depth() {
+    use kvroute_sim::KvEncodingArg;
+    for encoding in [
+        KvEncodingArg::Sglang,
+        KvEncodingArg::Vllm,
+        KvEncodingArg::VllmBytes,
+        KvEncodingArg::VllmMap,
+        KvEncodingArg::Legacy,
+    ] {
+        let fleet = start_fleet(SimConfig {
+            block_size: 4,
+            kv_encoding: encoding,
+            ..SimConfig::for_tests()
+        })
+        .await
+        .expect("fleet");
+        let engine = &fleet.engines[0];
+        let url = engine.http_url();
+        let (plane, registry) = new_plane();
+        plane
+            .add_worker(&url, MODEL, discover(engine).await)
+            .await
+            .expect("add");
+        warm_up(&plane, engine, 0).await;
+        let tokens = chain(7, 6);
+        let seq = engine.store_chains(0, std::slice::from_ref(&tokens));
+        wait_cursor(&plane, &url, 0, seq).await;
+        assert_eq!(
+            carried_depth(&plane, &url, 0, &tokens),
+            6,
+            "encoding {encoding:?}"
+        );
+        assert_eq!(
+            counter(&registry, "kvroute_kv_decode_errors_total", None),
+            0.0,
+            "encoding {encoding:?}"
+        );
+        plane.shutdown().await;
+        fleet.shutdown().await;
+    }
 }

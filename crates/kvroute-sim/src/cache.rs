@@ -147,7 +147,15 @@ impl PrefixCache {
     /// prompt has when the device cannot hold them without evicting the prompt's own path.
     pub fn insert(&mut self, tokens: &[u32], keys: &[u64], events: &mut Vec<KvEvent>) -> usize {
         let bs = self.cfg.block_size;
+        // Pin the prompt's already-cached blocks (touching them gives them ticks from here on)
+        // so that making room, in either tier, never evicts the path being inserted.
         let first_tick_of_path = self.tick + 1;
+        for &key in keys {
+            if !self.nodes.contains_key(&key) {
+                break;
+            }
+            self.touch(key);
+        }
         let mut parent: Option<u64> = None;
         for (i, &key) in keys.iter().enumerate() {
             match self.nodes.get(&key).map(|n| n.on_device) {
@@ -307,15 +315,17 @@ impl PrefixCache {
             if tick >= pinned_from_tick {
                 return false;
             }
-            self.evict_from_device(key, events);
+            self.evict_from_device(key, pinned_from_tick, events);
         }
         true
     }
 
-    fn evict_from_device(&mut self, key: u64, events: &mut Vec<KvEvent>) {
+    fn evict_from_device(&mut self, key: u64, pinned_from_tick: u64, events: &mut Vec<KvEvent>) {
         let host_tier = self.cfg.host_capacity_blocks > 0;
-        if host_tier && !self.nodes[&key].on_host {
-            self.make_host_room(events);
+        // Without host room (every host block is on the path being inserted) the block is
+        // simply dropped. It then has no children: a host-only descendant would have an
+        // unpinned host-only leaf, which would have been evictable.
+        if host_tier && !self.nodes[&key].on_host && self.make_host_room(pinned_from_tick, events) {
             self.update(key, |n| n.on_host = true);
             self.host_used += 1;
             events.push(self.stored_event(key, Medium::Host));
@@ -325,16 +335,22 @@ impl PrefixCache {
         self.drop_if_unheld(key);
     }
 
-    fn make_host_room(&mut self, events: &mut Vec<KvEvent>) {
+    /// Frees one host slot if the host tier is full, never evicting blocks touched since
+    /// `pinned_from_tick`; `false` when it cannot.
+    fn make_host_room(&mut self, pinned_from_tick: u64, events: &mut Vec<KvEvent>) -> bool {
         while self.host_used >= self.cfg.host_capacity_blocks {
-            let Some(&(_, key)) = self.host_lru.first() else {
-                return;
+            let Some(&(tick, key)) = self.host_lru.first() else {
+                return false;
             };
+            if tick >= pinned_from_tick {
+                return false;
+            }
             events.push(self.removed_event(key, Medium::Host));
             self.update(key, |n| n.on_host = false);
             self.host_used -= 1;
             self.drop_if_unheld(key);
         }
+        true
     }
 
     /// Forgets a block that is in no tier any more (it has no children by the leaf rules).
@@ -544,6 +560,21 @@ mod tests {
     }
 
     #[test]
+    fn promoting_a_host_block_never_evicts_that_block_to_make_host_room() {
+        // Found by the model test: the host tier is full with exactly the block being promoted,
+        // and making device room pushes another block to host.
+        let mut c = cache(2, 1);
+        let a = prompt(0, 5);
+        insert(&mut c, &a); // a0 a1 cached (capacity 2)
+        insert(&mut c, &prompt(100, 1)); // a1 -> host
+        insert(&mut c, &prompt(200, 1)); // a0 -> host, a1 dropped from host
+        let ev = insert(&mut c, &a); // promote a0 while host is full with a0
+        let a0 = c.block_keys(&a)[0];
+        assert_eq!(c.tiers_of(a0), Some((true, true)), "{ev:?}");
+        assert!(stored(&ev).contains(&(c_hash(&a, 0), None, Some(Medium::Device))));
+    }
+
+    #[test]
     fn clear_empties_every_tier_and_reports_all_blocks_cleared() {
         let mut c = cache(2, 2);
         insert(&mut c, &prompt(0, 3));
@@ -551,5 +582,109 @@ mod tests {
         c.clear(&mut ev);
         assert_eq!(ev, vec![KvEvent::AllBlocksCleared]);
         assert_eq!((c.device_blocks(), c.host_blocks()), (0, 0));
+    }
+}
+
+#[cfg(test)]
+mod model_tests {
+    //! The cache against a model built only from the events it emitted: whatever sequence of
+    //! prompts arrives, a router that applies those events must end up with exactly the cache's
+    //! tiers, and the cache's own invariants (capacity, prefix-closed device set) must hold.
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// What a router would know: engine hash -> (on device, on host).
+    fn apply(model: &mut HashMap<u64, (bool, bool)>, events: &[KvEvent]) {
+        for ev in events {
+            match ev {
+                KvEvent::BlockStored(s) => {
+                    for h in &s.block_hashes {
+                        let e = model.entry(h.0).or_default();
+                        match s.medium {
+                            Some(Medium::Host) => e.1 = true,
+                            _ => e.0 = true,
+                        }
+                    }
+                }
+                KvEvent::BlockRemoved(r) => {
+                    for h in &r.block_hashes {
+                        if let Some(e) = model.get_mut(&h.0) {
+                            match r.medium {
+                                Some(Medium::Host) => e.1 = false,
+                                Some(Medium::Device) => e.0 = false,
+                                _ => *e = (false, false),
+                            }
+                            if *e == (false, false) {
+                                model.remove(&h.0);
+                            }
+                        }
+                    }
+                }
+                KvEvent::AllBlocksCleared => model.clear(),
+            }
+        }
+    }
+
+    fn check_invariants(c: &PrefixCache) {
+        let device = c.nodes.values().filter(|n| n.on_device).count();
+        let host = c.nodes.values().filter(|n| n.on_host).count();
+        assert_eq!((device, host), (c.device_used, c.host_used));
+        assert!(c.device_used <= c.cfg.capacity_blocks);
+        assert!(c.host_used <= c.cfg.host_capacity_blocks);
+        for (key, n) in &c.nodes {
+            assert!(
+                n.on_device || n.on_host,
+                "a node in no tier must be forgotten"
+            );
+            if let Some(p) = n.parent {
+                let parent = c.nodes.get(&p).expect("a cached block's parent is cached");
+                if n.on_device {
+                    assert!(parent.on_device, "device set is prefix-closed ({key})");
+                }
+            }
+            let children = c.nodes.values().filter(|m| m.parent == Some(*key));
+            let (all, dev) = children.fold((0, 0), |(a, d), m| (a + 1, d + m.on_device as u32));
+            assert_eq!((n.children, n.device_children), (all, dev));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn events_replayed_into_a_model_reproduce_the_cache_tiers(
+            prompts in prop::collection::vec((0u32..6, 1u32..6), 1..60),
+            capacity in 1usize..10,
+            host in 0usize..8,
+            clear_at in prop::option::of(0usize..60),
+        ) {
+            let mut c = PrefixCache::new(CacheConfig {
+                block_size: 2,
+                capacity_blocks: capacity,
+                host_capacity_blocks: host,
+                hash_seed: 3,
+            });
+            let mut model = HashMap::new();
+            for (i, (family, blocks)) in prompts.into_iter().enumerate() {
+                let mut ev = Vec::new();
+                if clear_at == Some(i) {
+                    c.clear(&mut ev);
+                }
+                // Families share their leading tokens, so prompts overlap in prefixes.
+                let tokens: Vec<u32> = (0..blocks * 2).map(|t| if t < 2 { family } else { family * 100 + t }).collect();
+                let keys = c.block_keys(&tokens);
+                c.match_prefix(&keys);
+                c.insert(&tokens, &keys, &mut ev);
+                apply(&mut model, &ev);
+                check_invariants(&c);
+                let actual: HashMap<u64, (bool, bool)> = c
+                    .nodes
+                    .values()
+                    .map(|n| (n.engine_hash, (n.on_device, n.on_host)))
+                    .collect();
+                prop_assert_eq!(&model, &actual);
+            }
+        }
     }
 }

@@ -82,7 +82,8 @@ pub struct SimConfig {
     /// Wire encoding of KV event payloads.
     #[arg(long, value_enum, default_value_t = KvEncodingArg::Sglang)]
     pub kv_encoding: KvEncodingArg,
-    /// With a vLLM encoding: publish 32-byte binary block hashes (vLLM's bytes mode).
+    /// With `--kv-encoding vllm`: publish 32-byte binary block hashes (vLLM's bytes mode, same
+    /// as `--kv-encoding vllm-bytes`); ignored by the other encodings.
     #[arg(long, default_value_t = false)]
     pub block_hash_bytes: bool,
     /// Seed of the engine's own block hash (engine i uses seed + i, like vLLM processes that
@@ -144,7 +145,12 @@ pub struct SimConfig {
 
 /// The tokenizer shipped in the repository (`assets/tokenizer/tokenizer.json`).
 pub fn default_tokenizer_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json")
+    let crate_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    // crates/kvroute-sim -> repository root; fall back to the literal relative form.
+    match crate_dir.parent().and_then(|c| c.parent()) {
+        Some(root) => root.join("assets/tokenizer/tokenizer.json"),
+        None => crate_dir.join("../../assets/tokenizer/tokenizer.json"),
+    }
 }
 
 impl Default for SimConfig {

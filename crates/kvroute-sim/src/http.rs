@@ -1,7 +1,7 @@
 //! The engine's HTTP API, in the shapes SGLang and vLLM serve: OpenAI `/v1/completions` and
 //! `/v1/chat/completions` (plain and SSE streaming), SGLang `/generate`, `/v1/models`,
-//! `/health`, `/server_info` (with SGLang's `kv_events` discovery block), and the test-only
-//! `/control/*` endpoints (mounted only with `--enable-control`).
+//! `/health`, `/get_load`, `/server_info` (with SGLang's `kv_events` discovery block), and the
+//! test-only `/control/*` endpoints (mounted only with `--enable-control`).
 //!
 //! Bodies are read as bytes under `--max-body-bytes` and parsed here, not by an extractor, so
 //! every failure (oversize, malformed JSON, wrong types, missing fields, bad rank hint) becomes
@@ -99,6 +99,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/health_generate", get(health))
+        .route("/get_load", get(get_load))
         .route("/server_info", get(server_info))
         .route("/get_server_info", get(server_info));
     if engine.cfg.enable_control {
@@ -113,6 +114,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
             );
     }
     app.fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(engine)
 }
@@ -122,6 +124,15 @@ async fn not_found() -> ApiError {
         status: StatusCode::NOT_FOUND,
         message: "no such endpoint".into(),
         kind: "not_found_error",
+        param: None,
+    }
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: "method not allowed on this endpoint".into(),
+        kind: "invalid_request_error",
         param: None,
     }
 }
@@ -671,6 +682,23 @@ async fn models(State(engine): State<Arc<Engine>>) -> axum::Json<Value> {
 
 async fn health() -> StatusCode {
     StatusCode::OK
+}
+
+/// SGLang's `/get_load`: per-rank running and waiting requests and cached tokens.
+async fn get_load(State(engine): State<Arc<Engine>>) -> axum::Json<Value> {
+    let ranks: Vec<Value> = (0..engine.dp_size())
+        .map(|r| {
+            let s = engine.load_stat(r);
+            json!({
+                "dp_rank": r,
+                "num_reqs": s.num_running_reqs,
+                "num_waiting_reqs": s.num_waiting_reqs,
+                "num_tokens": s.num_tokens,
+                "max_total_num_tokens": s.max_total_num_tokens,
+            })
+        })
+        .collect();
+    axum::Json(Value::Array(ranks))
 }
 
 /// SGLang's `/server_info`, including the `kv_events` block routers discover publishers from.

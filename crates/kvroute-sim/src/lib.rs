@@ -13,6 +13,13 @@
 //!
 //! The library starts N engines in one process ([`start_fleet`]) so tests and the demo need no
 //! child processes; the `kvroute-sim` binary is a thin wrapper over the same call.
+//!
+//! Deliberate simplifications (documented, not hidden): a list `prompt` / `text` / `input_ids`
+//! is served by its first element only; `n`, sampling parameters and stop strings are ignored
+//! (every completion runs to `max_tokens`, finish reason `length`); output tokens are not cached
+//! (only the prompt's blocks are inserted, at the end of prefill); LoRA and cache salts are not
+//! modelled (every block is in the base namespace); token ids are not checked against the
+//! vocabulary, so synthetic ids work as prompts.
 
 pub mod cache;
 pub mod config;
@@ -140,6 +147,14 @@ impl EngineHandle {
         if let Some(server) = server {
             let _ = server.await;
         }
+    }
+}
+
+/// Dropping a handle stops its engine too (in the background), so a test that forgets
+/// `shutdown` does not leave sockets bound for the rest of the test binary.
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        self.cancel.cancel();
     }
 }
 

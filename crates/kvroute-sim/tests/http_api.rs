@@ -353,6 +353,14 @@ async fn bad_input_gets_openai_errors_with_the_right_status() {
             assert_eq!(obj["param"], p, "{path} {shown}: {err}");
         }
     }
+    // Unknown endpoints and wrong methods get error objects too.
+    let (status, err) = get(e, "/v1/nope").await;
+    assert_eq!(
+        (status, err["error"]["type"].as_str()),
+        (404, Some("not_found_error"))
+    );
+    let (status, err) = get(e, "/v1/completions").await;
+    assert_eq!((status, err["error"]["code"].as_u64()), (405, Some(405)));
     // Unknown fields are ignored, as OpenAI-compatible servers do.
     let (status, _) = post(
         e,
@@ -463,4 +471,37 @@ async fn shutdown_drains_an_in_flight_request() {
         in_flight.await.unwrap().expect("answered, not cut off"),
         200
     );
+}
+
+#[tokio::test]
+async fn control_store_caches_chains_and_reports_the_published_seq() {
+    let fleet = fleet(SimConfig {
+        dp_size: 2,
+        ..SimConfig::for_tests()
+    })
+    .await;
+    let e = &fleet.engines[0];
+    let (_, before) = get(e, "/control/last_seq").await;
+    assert_eq!(before["last_seq"], json!([-1, -1]));
+    let chain = toks(40, 32);
+    let (status, body) = post(
+        e,
+        "/control/store",
+        &json!({"chains": [chain, toks(900, 16)], "dp_rank": 1}),
+    )
+    .await;
+    assert_eq!((status, &body["last_seq"]), (200, &json!(0)), "{body}");
+    let (_, after) = get(e, "/control/last_seq").await;
+    assert_eq!(after["last_seq"], json!([-1, 0]));
+    // The stored chain is a cache hit for a request pinned to that rank.
+    let (_, hit) = post(
+        e,
+        "/v1/completions",
+        &json!({"prompt": chain, "max_tokens": 1, "data_parallel_rank": 1}),
+    )
+    .await;
+    assert_eq!(hit["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
+    let (status, _) = post(e, "/control/store", &json!({"chains": [[1]], "dp_rank": 5})).await;
+    assert_eq!(status, 400);
+    fleet.shutdown().await;
 }

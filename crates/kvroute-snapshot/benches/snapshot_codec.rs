@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvroute_snapshot::{
-    Compression, CompressingWriter, DecodeLimits, EncodeOptions, decode_binary, encode_binary,
+    CompressingWriter, Compression, DecodeLimits, EncodeOptions, decode_binary, encode_binary,
     encode_binary_to_vec, encode_json,
 };
 use kvroute_wire::snapshot::{
@@ -317,7 +317,10 @@ fn print_sizes(name: &str, snapshot: &IndexSnapshot) {
 fn print_level_sweep(snapshot: &IndexSnapshot) {
     let body = encode_binary_to_vec(snapshot, &EncodeOptions::default()).unwrap();
     let carried = snapshot.nodes.carried_blocks() as f64;
-    eprintln!("  level sweep over the {} byte uncompressed encoding:", body.len());
+    eprintln!(
+        "  level sweep over the {} byte uncompressed encoding:",
+        body.len()
+    );
     for level in [1, 3, 6] {
         let started = Instant::now();
         let out = zstd::bulk::compress(&body, level).unwrap();
@@ -329,7 +332,8 @@ fn print_level_sweep(snapshot: &IndexSnapshot) {
     }
     for level in [1, 6] {
         let started = Instant::now();
-        let mut gz = flate2::write::GzEncoder::new(CountingWriter(0), flate2::Compression::new(level));
+        let mut gz =
+            flate2::write::GzEncoder::new(CountingWriter(0), flate2::Compression::new(level));
         gz.write_all(&body).unwrap();
         let out = gz.finish().unwrap().0;
         eprintln!(
@@ -368,7 +372,11 @@ fn bench_codecs(c: &mut Criterion) {
         for (label, compression, key) in [
             ("encode_binary", Compression::None, None),
             ("encode_binary_zstd", Compression::Zstd, None),
-            ("encode_binary_zstd_hmac", Compression::Zstd, Some(BENCH_KEY)),
+            (
+                "encode_binary_zstd_hmac",
+                Compression::Zstd,
+                Some(BENCH_KEY),
+            ),
             ("encode_binary_gzip", Compression::Gzip, None),
         ] {
             let options = EncodeOptions {

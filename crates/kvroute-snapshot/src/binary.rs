@@ -40,13 +40,11 @@
 use std::io::Write;
 
 use hmac::{Hmac, KeyInit, Mac};
-use kvroute_wire::snapshot::{
-    IndexSnapshot, NO_PARENT, RankCursor, RankRef, SnapshotNodes,
-};
+use kvroute_wire::snapshot::{IndexSnapshot, NO_PARENT, RankCursor, RankRef, SnapshotNodes};
 use sha2::Sha256;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
-use crate::compress::{Compression, CompressingWriter, decompress_bounded};
+use crate::compress::{CompressingWriter, Compression, decompress_bounded};
 use crate::error::{SnapshotDecodeError, SnapshotEncodeError};
 use crate::limits::{DecodeLimits, MAX_HASH_SCHEME_BYTES, MAX_WORKER_URL_BYTES, MIN_MAC_KEY_BYTES};
 use crate::varint::{Reader, put_varint, unzigzag, zigzag};
@@ -104,12 +102,14 @@ pub fn encode_binary<W: Write>(
 ) -> Result<EncodeStats, SnapshotEncodeError> {
     check_encodable(&snapshot.nodes)?;
     let mac = match options.mac_key {
-        Some(key) => Some(new_mac(key).map_err(|len_bytes| {
-            SnapshotEncodeError::MacKeyTooShort {
-                len_bytes,
-                min_bytes: MIN_MAC_KEY_BYTES,
-            }
-        })?),
+        Some(key) => {
+            Some(
+                new_mac(key).map_err(|len_bytes| SnapshotEncodeError::MacKeyTooShort {
+                    len_bytes,
+                    min_bytes: MIN_MAC_KEY_BYTES,
+                })?,
+            )
+        }
         None => None,
     };
     let mut tee = MacTee {
@@ -194,12 +194,14 @@ pub fn decode_binary(
     )?;
     let has_mac = flags & FLAG_MAC != 0;
     let mut mac = match mac_key {
-        Some(key) => Some(new_mac(key).map_err(|len_bytes| {
-            SnapshotDecodeError::MacKeyTooShort {
-                len_bytes,
-                min_bytes: MIN_MAC_KEY_BYTES,
-            }
-        })?),
+        Some(key) => {
+            Some(
+                new_mac(key).map_err(|len_bytes| SnapshotDecodeError::MacKeyTooShort {
+                    len_bytes,
+                    min_bytes: MIN_MAC_KEY_BYTES,
+                })?,
+            )
+        }
         None => None,
     };
     if mac.is_some() && !has_mac {
@@ -352,10 +354,7 @@ fn carrier_range(carrier_end: &[u32], node: usize) -> std::ops::Range<usize> {
     start..carrier_end[node] as usize
 }
 
-fn write_body<W: Write>(
-    snapshot: &IndexSnapshot,
-    body: &mut BodyWriter<W>,
-) -> std::io::Result<()> {
+fn write_body<W: Write>(snapshot: &IndexSnapshot, body: &mut BodyWriter<W>) -> std::io::Result<()> {
     body.varint(u64::from(snapshot.format))?;
     body.string(&snapshot.hash_scheme)?;
     body.varint(u64::from(snapshot.block_size))?;
@@ -583,7 +582,7 @@ fn decode_fields(
     let mut shapes = Vec::with_capacity(node_count);
     let mut carrier_end = Vec::with_capacity(node_count);
     let mut total = 0u64;
-    for node in 0..node_count {
+    for (node, &p) in parent.iter().enumerate() {
         let shape = r.varint("shapes")?;
         let count = if shape & SHAPE_SAME_RANKS_AS_PARENT != 0 {
             if shape >> SHAPE_COUNT_SHIFT != 0 {
@@ -592,7 +591,6 @@ fn decode_fields(
                     value: shape,
                 });
             }
-            let p = parent[node];
             if p == NO_PARENT {
                 return Err(SnapshotDecodeError::SameAsParentOnRoot { node: node as u64 });
             }
@@ -662,12 +660,12 @@ fn decode_fields(
     }
 
     let mut carrier_engine_hash: Vec<u64> = Vec::with_capacity(carrier_count);
-    for node in 0..node_count {
+    for (node, &shape) in shapes.iter().enumerate() {
         let range = carrier_range(&carrier_end, node);
         if range.is_empty() {
             continue;
         }
-        if u64::from(shapes[node]) & SHAPE_SHARED_ENGINE_HASH != 0 {
+        if u64::from(shape) & SHAPE_SHARED_ENGINE_HASH != 0 {
             let hash = r.u64_le("engine hashes")?;
             carrier_engine_hash.resize(carrier_engine_hash.len() + range.len(), hash);
         } else {
@@ -705,4 +703,133 @@ fn le_u64(chunk: &[u8]) -> u64 {
     let mut word = [0u8; 8];
     word.copy_from_slice(chunk);
     u64::from_le_bytes(word)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_wire::snapshot::SNAPSHOT_FORMAT;
+    use proptest::prelude::*;
+
+    /// A chain of `len` nodes, each carried by the same `carriers` ranks; engine hashes shared
+    /// per node when `shared_hashes`, else distinct per carrier.
+    fn chain(len: usize, carriers: u32, shared_hashes: bool) -> IndexSnapshot {
+        let mut nodes = SnapshotNodes::default();
+        let mut next_hash = 0x1234_5678_9abc_def0u64;
+        let mut fresh = || {
+            next_hash = next_hash
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            next_hash
+        };
+        for i in 0..len {
+            nodes
+                .parent
+                .push(if i == 0 { NO_PARENT } else { i as u32 - 1 });
+            nodes.content_hash.push(fresh());
+            let shared = fresh();
+            for rank in 0..carriers {
+                nodes.carrier_rank.push(rank);
+                nodes.carrier_tiers.push(if i % 7 == 0 { 2 } else { 1 });
+                nodes
+                    .carrier_engine_hash
+                    .push(if shared_hashes { shared } else { fresh() });
+            }
+            nodes.carrier_end.push(nodes.carrier_rank.len() as u32);
+        }
+        IndexSnapshot {
+            format: SNAPSHOT_FORMAT,
+            hash_scheme: "kvroute-xxh3-chain-v1".into(),
+            block_size: 16,
+            producer_ready: true,
+            ranks: (0..carriers)
+                .map(|i| RankRef {
+                    worker_url: format!("http://127.0.0.1:{}", 9000 + i),
+                    dp_rank: 0,
+                })
+                .collect(),
+            cursors: vec![RankCursor {
+                rank: 0,
+                seq: -3,
+                ts: 12.5,
+            }],
+            empty_ranks: vec![],
+            nodes,
+        }
+    }
+
+    fn body_of(snapshot: &IndexSnapshot) -> Vec<u8> {
+        let bytes = encode_binary_to_vec(snapshot, &EncodeOptions::default()).unwrap();
+        bytes[HEADER_BYTES..].to_vec()
+    }
+
+    #[test]
+    fn shared_hashes_and_inherited_rank_lists_cost_one_hash_and_one_shape_byte_per_node() {
+        let len = 500;
+        let body = body_of(&chain(len, 32, true));
+        // Per node: parent delta 1 + content hash 8 + shape 1 + one engine hash 8 = 18 bytes;
+        // the first node's rank list, the tier runs (a change every 7 nodes) and the header add
+        // a bounded amount.
+        let per_node_budget = 18 * len;
+        let tier_runs_budget = (len / 7 + 1) * 2 * 2 * 3;
+        assert!(
+            body.len() <= per_node_budget + tier_runs_budget + 512,
+            "shared-hash chain took {} body bytes for {len} nodes x 32 carriers",
+            body.len()
+        );
+        let distinct = body_of(&chain(len, 32, false));
+        assert!(
+            distinct.len() >= len * 32 * 8,
+            "per-carrier hashes must all be stored: {} bytes",
+            distinct.len()
+        );
+    }
+
+    fn fix_checksum(body: &mut [u8]) {
+        let split = body.len() - CHECKSUM_BYTES;
+        let sum = xxh3_64(&body[..split]);
+        body[split..].copy_from_slice(&sum.to_le_bytes());
+    }
+
+    #[test]
+    fn body_decoder_round_trips_the_fixture_before_mutation() {
+        for shared in [true, false] {
+            let snapshot = chain(40, 5, shared);
+            assert_eq!(
+                decode_body(&body_of(&snapshot), &DecodeLimits::default()).unwrap(),
+                snapshot
+            );
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(500))]
+
+        /// The checksum stops almost every random change before parsing; fixing it up afterwards
+        /// drives the mutations into every column parser instead.
+        #[test]
+        fn mutated_bodies_with_a_valid_checksum_never_panic(
+            shared in any::<bool>(),
+            edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            cut in any::<prop::sample::Index>(),
+            do_cut in any::<bool>(),
+        ) {
+            let mut body = body_of(&chain(30, 4, shared));
+            let limits = DecodeLimits { max_nodes: 1000, max_carriers: 10_000, max_ranks: 16, max_bytes: 1 << 20 };
+            let content_len = body.len() - CHECKSUM_BYTES;
+            for (position, value) in edits {
+                body[position.index(content_len)] = value;
+            }
+            if do_cut {
+                let keep = cut.index(content_len);
+                body.drain(keep..content_len);
+            }
+            fix_checksum(&mut body);
+            if let Ok(decoded) = decode_body(&body, &limits) {
+                prop_assert!(decoded.nodes.carried_blocks() <= limits.max_carriers);
+                prop_assert_eq!(decoded.nodes.carrier_end.last().copied().unwrap_or(0) as usize,
+                    decoded.nodes.carried_blocks());
+            }
+        }
+    }
 }

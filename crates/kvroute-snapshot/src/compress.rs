@@ -173,7 +173,9 @@ pub fn decompress_bounded(
 /// the stream claims.
 pub fn read_bounded<R: Read>(reader: R, max_bytes: usize) -> Result<Vec<u8>, SnapshotDecodeError> {
     let mut out = Vec::new();
-    let cap = u64::try_from(max_bytes).unwrap_or(u64::MAX).saturating_add(1);
+    let cap = u64::try_from(max_bytes)
+        .unwrap_or(u64::MAX)
+        .saturating_add(1);
     reader
         .take(cap)
         .read_to_end(&mut out)

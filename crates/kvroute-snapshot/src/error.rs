@@ -12,7 +12,10 @@ use thiserror::Error;
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum SnapshotDecodeError {
     #[error("input of {len_bytes} bytes is over the limit of {limit_bytes} bytes")]
-    InputTooLarge { len_bytes: usize, limit_bytes: usize },
+    InputTooLarge {
+        len_bytes: usize,
+        limit_bytes: usize,
+    },
     #[error("decompressed body would exceed the limit of {limit_bytes} bytes")]
     TooLarge { limit_bytes: usize },
     #[error("decompression failed: {reason}")]

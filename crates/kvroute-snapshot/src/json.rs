@@ -16,7 +16,8 @@
 //! Every 64-bit hash is a string of exactly 16 lowercase hex digits (zero-padded, no `0x`),
 //! because JavaScript numbers lose 64-bit integers above 2^53; a JS reader does
 //! `BigInt("0x" + h)`. Hex rather than decimal so the width is fixed and equal hashes are easy to
-//! spot by eye. Rank indices, dp ranks, seqs and tiers are small and stay numbers; `ts` is an
+//! spot by eye. Rank indices, dp ranks, seqs and tiers stay numbers (engine sequence counters
+//! stay far below 2^53, so JavaScript reads them exactly); `ts` is an
 //! f64 as the engines sent it (it must be finite: JSON has no NaN). Nodes are records rather than
 //! the model's columns because this encoding is for reading; `node_count` and `carried_blocks`
 //! are informational and ignored on decode.
@@ -140,7 +141,11 @@ pub fn decode_json(
         check_rank("empty rank", rank)?;
     }
     let carriers: usize = owned.nodes.iter().map(|n| n.carriers.len()).sum();
-    over("carriers", carriers, limits.max_carriers.min(u32::MAX as usize))?;
+    over(
+        "carriers",
+        carriers,
+        limits.max_carriers.min(u32::MAX as usize),
+    )?;
 
     let mut nodes = SnapshotNodes {
         parent: Vec::with_capacity(owned.nodes.len()),

@@ -29,7 +29,7 @@ pub use binary::{
     BINARY_CONTENT_TYPE, BINARY_MAGIC, BINARY_VERSION, EncodeOptions, EncodeStats, decode_binary,
     encode_binary, encode_binary_to_vec,
 };
-pub use compress::{Compression, CompressingWriter, decompress_bounded, read_bounded};
+pub use compress::{CompressingWriter, Compression, decompress_bounded, read_bounded};
 pub use error::{SnapshotDecodeError, SnapshotEncodeError};
 pub use json::{JSON_CONTENT_TYPE, decode_json, encode_json, encode_json_to_vec};
 pub use limits::DecodeLimits;

@@ -142,7 +142,17 @@ mod tests {
 
     #[test]
     fn varints_round_trip_at_every_length_boundary() {
-        let values = [0u64, 1, 127, 128, 16383, 16384, u32::MAX as u64, u64::MAX - 1, u64::MAX];
+        let values = [
+            0u64,
+            1,
+            127,
+            128,
+            16383,
+            16384,
+            u32::MAX as u64,
+            u64::MAX - 1,
+            u64::MAX,
+        ];
         for value in values {
             let mut out = Vec::new();
             put_varint(&mut out, value);

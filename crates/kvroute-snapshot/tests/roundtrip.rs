@@ -85,13 +85,19 @@ fn authenticated_body_decodes_without_a_key_by_skipping_the_tag() {
         mac_key: Some(TEST_KEY),
     };
     let bytes = encode_binary_to_vec(&snapshot, &options).unwrap();
-    assert_eq!(decode_binary(&bytes, &DecodeLimits::default(), None).unwrap(), snapshot);
+    assert_eq!(
+        decode_binary(&bytes, &DecodeLimits::default(), None).unwrap(),
+        snapshot
+    );
 }
 
 #[test]
 fn json_hashes_are_sixteen_hex_digit_strings() {
     let snapshot = random_snapshot(11, 10, 2);
-    assert!(snapshot.nodes.carried_blocks() > 0, "generator gave no carriers for seed 11");
+    assert!(
+        snapshot.nodes.carried_blocks() > 0,
+        "generator gave no carriers for seed 11"
+    );
     let json: serde_json::Value =
         serde_json::from_slice(&encode_json_to_vec(&snapshot).unwrap()).unwrap();
     let node = &json["nodes"][0];
@@ -105,7 +111,10 @@ fn json_hashes_are_sixteen_hex_digit_strings() {
         .unwrap();
     let engine = first_carried["engine_hash"].as_str().unwrap();
     assert_eq!(engine.len(), 16);
-    assert_eq!(engine, format!("{:016x}", snapshot.nodes.carrier_engine_hash[0]));
+    assert_eq!(
+        engine,
+        format!("{:016x}", snapshot.nodes.carrier_engine_hash[0])
+    );
 }
 
 /// A writer that records how the encoder fed it, to prove the body is streamed in chunks rather

@@ -102,14 +102,18 @@ impl WorkerSpec {
         // The model suffix is split at the LAST '@' after the scheme, so URLs with userinfo are not
         // mistaken for a model (we never expect them, but must not mangle them).
         let (url, model) = match s.rfind('@') {
-            Some(i) if i > s.find("://").map(|j| j + 3).unwrap_or(0) && !s[i + 1..].contains('/') => {
+            Some(i)
+                if i > s.find("://").map(|j| j + 3).unwrap_or(0) && !s[i + 1..].contains('/') =>
+            {
                 (&s[..i], Some(s[i + 1..].to_string()))
             }
             _ => (s, None),
         };
         let url = url.trim_end_matches('/').to_string();
         if !(url.starts_with("http://") || url.starts_with("https://")) {
-            return Err(format!("worker url must start with http:// or https://: {s}"));
+            return Err(format!(
+                "worker url must start with http:// or https://: {s}"
+            ));
         }
         if model.as_deref() == Some("") {
             return Err(format!("empty model after '@' in {s}"));
@@ -171,13 +175,23 @@ impl Default for RouterConfig {
 }
 
 #[derive(Debug, Parser)]
-#[command(name = "kvroute", version, about = "Cache-aware request router for LLM inference fleets")]
+#[command(
+    name = "kvroute",
+    version,
+    about = "Cache-aware request router for LLM inference fleets"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
     #[command(flatten)]
     pub serve: ServeArgs,
-    #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum, default_value = "text", global = true)]
+    #[arg(
+        long,
+        env = "KVROUTE_LOG_FORMAT",
+        value_enum,
+        default_value = "text",
+        global = true
+    )]
     pub log_format: LogFormat,
 }
 
@@ -217,7 +231,12 @@ pub struct ServeArgs {
     /// Engine URLs, optionally `URL@model`.
     #[arg(long, env = "KVROUTE_WORKER_URLS", num_args = 1.., value_delimiter = ',')]
     pub worker_urls: Vec<String>,
-    #[arg(long, env = "KVROUTE_POLICY", value_enum, default_value = "cache-aware")]
+    #[arg(
+        long,
+        env = "KVROUTE_POLICY",
+        value_enum,
+        default_value = "cache-aware"
+    )]
     pub policy: PolicyKind,
     /// Default tokenizer.json (or its directory) for every model.
     #[arg(long, env = "KVROUTE_TOKENIZER_PATH")]
@@ -234,11 +253,23 @@ pub struct ServeArgs {
     pub block_size: Option<usize>,
     #[arg(long, env = "KVROUTE_DP_SIZE")]
     pub dp_size: Option<u32>,
-    #[arg(long, env = "KVROUTE_PREFILL_COST_US_PER_TOKEN", default_value_t = 50.0)]
+    #[arg(
+        long,
+        env = "KVROUTE_PREFILL_COST_US_PER_TOKEN",
+        default_value_t = 50.0
+    )]
     pub prefill_cost_us_per_token: f64,
-    #[arg(long, env = "KVROUTE_DECODE_PENALTY_US_PER_REQUEST", default_value_t = 2000.0)]
+    #[arg(
+        long,
+        env = "KVROUTE_DECODE_PENALTY_US_PER_REQUEST",
+        default_value_t = 2000.0
+    )]
     pub decode_penalty_us_per_request: f64,
-    #[arg(long, env = "KVROUTE_OFFLOADED_BLOCK_COST_FRACTION", default_value_t = 0.3)]
+    #[arg(
+        long,
+        env = "KVROUTE_OFFLOADED_BLOCK_COST_FRACTION",
+        default_value_t = 0.3
+    )]
     pub offloaded_block_cost_fraction: f64,
     /// Softmax temperature in milliseconds of estimated TTFT; 0 = always the cheapest rank.
     #[arg(long, env = "KVROUTE_TEMPERATURE", default_value_t = 0.0)]

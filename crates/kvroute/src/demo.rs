@@ -35,15 +35,19 @@ const SUBSCRIBE_DEADLINE_MS: u64 = 15_000;
 const DEMO_REQUEST_TIMEOUT_MS: u64 = 30_000;
 
 const WORDS: &[&str] = &[
-    "cache", "router", "token", "engine", "prefix", "block", "latency", "request", "model", "policy",
-    "shard", "replica", "queue", "stream", "batch", "decode", "prefill", "memory", "tensor", "kernel",
-    "the", "a", "of", "and", "to", "in", "is", "that", "for", "with", "as", "on", "by", "when",
-    "answer", "question", "careful", "precise", "customer", "invoice", "weather", "travel", "recipe",
-    "contract", "clause", "patient", "symptom", "lesson", "student", "garden", "planet", "orbit",
+    "cache", "router", "token", "engine", "prefix", "block", "latency", "request", "model",
+    "policy", "shard", "replica", "queue", "stream", "batch", "decode", "prefill", "memory",
+    "tensor", "kernel", "the", "a", "of", "and", "to", "in", "is", "that", "for", "with", "as",
+    "on", "by", "when", "answer", "question", "careful", "precise", "customer", "invoice",
+    "weather", "travel", "recipe", "contract", "clause", "patient", "symptom", "lesson", "student",
+    "garden", "planet", "orbit",
 ];
 
 fn words(rng: &mut StdRng, n: usize) -> String {
-    (0..n).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect::<Vec<_>>().join(" ")
+    (0..n)
+        .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 struct Conversation {
@@ -54,7 +58,12 @@ struct Conversation {
 fn workload(args: &DemoArgs) -> Vec<Conversation> {
     let mut rng = StdRng::seed_from_u64(args.seed);
     let systems: Vec<Arc<String>> = (0..args.system_prompts.max(1))
-        .map(|i| Arc::new(format!("You are assistant #{i}. {}", words(&mut rng, SYSTEM_PROMPT_WORDS))))
+        .map(|i| {
+            Arc::new(format!(
+                "You are assistant #{i}. {}",
+                words(&mut rng, SYSTEM_PROMPT_WORDS)
+            ))
+        })
         .collect();
     (0..args.conversations)
         .map(|_| Conversation {
@@ -89,7 +98,11 @@ pub struct PolicyResult {
 }
 
 /// One streamed chat turn: returns the sample and the assistant's reply text.
-async fn chat_turn(http: &reqwest::Client, url: &str, messages: &[Value]) -> Result<(Sample, String), String> {
+async fn chat_turn(
+    http: &reqwest::Client,
+    url: &str,
+    messages: &[Value],
+) -> Result<(Sample, String), String> {
     let started = Instant::now();
     let resp = http
         .post(url)
@@ -101,7 +114,10 @@ async fn chat_turn(http: &reqwest::Client, url: &str, messages: &[Value]) -> Res
         .map_err(|e| e.to_string())?;
     if !resp.status().is_success() {
         let status = resp.status();
-        return Err(format!("{status}: {}", resp.text().await.unwrap_or_default()));
+        return Err(format!(
+            "{status}: {}",
+            resp.text().await.unwrap_or_default()
+        ));
     }
     let mut stream = resp.bytes_stream();
     let mut sample = Sample::default();
@@ -118,18 +134,24 @@ async fn chat_turn(http: &reqwest::Client, url: &str, messages: &[Value]) -> Res
         while let Some(end) = buf.find("\n\n") {
             let event: String = buf.drain(..end + 2).collect();
             for line in event.lines() {
-                let Some(data) = line.strip_prefix("data:") else { continue };
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
                 let data = data.trim();
                 if data == "[DONE]" {
                     continue;
                 }
-                let Ok(v) = serde_json::from_str::<Value>(data) else { continue };
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    continue;
+                };
                 if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
                     reply.push_str(t);
                 }
                 if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                     sample.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
-                    sample.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+                    sample.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+                        .as_u64()
+                        .unwrap_or(0);
                 }
             }
         }
@@ -160,12 +182,17 @@ async fn wait_subscribed(router: &crate::Router, ranks: usize) -> Result<(), Str
     let deadline = Instant::now() + Duration::from_millis(SUBSCRIBE_DEADLINE_MS);
     loop {
         let states = router.kv.plane().rank_states();
-        let connected = states.iter().filter(|s| s.subscriber == kvroute_kv::SubscriberState::Connected).count();
+        let connected = states
+            .iter()
+            .filter(|s| s.subscriber == kvroute_kv::SubscriberState::Connected)
+            .count();
         if connected >= ranks {
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(format!("only {connected} of {ranks} rank subscribers connected"));
+            return Err(format!(
+                "only {connected} of {ranks} rank subscribers connected"
+            ));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -177,24 +204,45 @@ async fn run_policy(
     conversations: &Arc<Vec<Conversation>>,
     bar: &ProgressBar,
 ) -> Result<PolicyResult, String> {
-    let fleet = kvroute_sim::start_fleet(sim_config()).await.map_err(|e| e.to_string())?;
+    let fleet = kvroute_sim::start_fleet(sim_config())
+        .await
+        .map_err(|e| e.to_string())?;
     let config = RouterConfig {
-        workers: fleet.engines.iter().map(|e| WorkerSpec { url: e.http_url(), model: None }).collect(),
+        workers: fleet
+            .engines
+            .iter()
+            .map(|e| WorkerSpec {
+                url: e.http_url(),
+                model: None,
+            })
+            .collect(),
         policy,
         tokenizer_path: Some(kvroute_sim::config::default_tokenizer_path()),
         rng_seed: Some(args.seed),
-        weights: crate::config::CostWeights { prefill_cost_us_per_token: 60.0, ..Default::default() },
+        weights: crate::config::CostWeights {
+            prefill_cost_us_per_token: 60.0,
+            ..Default::default()
+        },
         ..RouterConfig::default()
     };
     let router = crate::serve(config).await.map_err(|e| e.to_string())?;
     wait_subscribed(&router.router, ENGINES * DP_SIZE).await?;
     let url = format!("{}/v1/chat/completions", router.url());
-    let http = reqwest::Client::builder().pool_max_idle_per_host(args.concurrency * 2).build().map_err(|e| e.to_string())?;
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.concurrency * 2)
+        .build()
+        .map_err(|e| e.to_string())?;
     let permits = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
     let started = Instant::now();
     let mut tasks = Vec::new();
     for i in 0..conversations.len() {
-        let (convs, http, url, permits, bar) = (conversations.clone(), http.clone(), url.clone(), permits.clone(), bar.clone());
+        let (convs, http, url, permits, bar) = (
+            conversations.clone(),
+            http.clone(),
+            url.clone(),
+            permits.clone(),
+            bar.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let _permit = permits.acquire_owned().await.map_err(|e| e.to_string())?;
             let conv = &convs[i];
@@ -231,15 +279,29 @@ async fn run_policy(
     fleet.shutdown().await;
     let prompt: u64 = samples.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = samples.iter().map(|s| s.cached_tokens).sum();
-    let mut ttft_ms: Vec<f64> = samples.iter().map(|s| s.ttft.as_secs_f64() * 1000.0).collect();
+    let mut ttft_ms: Vec<f64> = samples
+        .iter()
+        .map(|s| s.ttft.as_secs_f64() * 1000.0)
+        .collect();
     ttft_ms.sort_by(f64::total_cmp);
-    let mean = if ttft_ms.is_empty() { 0.0 } else { ttft_ms.iter().sum::<f64>() / ttft_ms.len() as f64 };
-    let p90 = ttft_ms.get(((ttft_ms.len() as f64 * 0.9).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0);
+    let mean = if ttft_ms.is_empty() {
+        0.0
+    } else {
+        ttft_ms.iter().sum::<f64>() / ttft_ms.len() as f64
+    };
+    let p90 = ttft_ms
+        .get(((ttft_ms.len() as f64 * 0.9).ceil() as usize).saturating_sub(1))
+        .copied()
+        .unwrap_or(0.0);
     Ok(PolicyResult {
         policy,
         requests: samples.len(),
         failures,
-        hit_rate: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+        hit_rate: if prompt == 0 {
+            0.0
+        } else {
+            cached as f64 / prompt as f64
+        },
         ttft_mean_ms: mean,
         ttft_p90_ms: p90,
         throughput_rps: samples.len() as f64 / wall.as_secs_f64(),
@@ -247,29 +309,52 @@ async fn run_policy(
     })
 }
 
-/// Runs the demo and prints one line per policy.
-pub async fn run(args: DemoArgs) -> Result<(), String> {
-    let policies: Vec<PolicyKind> = if args.policies.is_empty() { PolicyKind::ALL.to_vec() } else { args.policies.clone() };
-    let conversations = Arc::new(workload(&args));
-    let per_policy = conversations.iter().map(|c| c.user_turns.len()).sum::<usize>();
-    println!(
-        "kvroute demo: {} engines x {} DP ranks (block {} tokens, {} device blocks per rank), \
-         {} conversations over {} system prompts, {} turns each, concurrency {}, seed {}",
-        ENGINES, DP_SIZE, BLOCK_SIZE_TOKENS, CAPACITY_BLOCKS, args.conversations, args.system_prompts,
-        args.turns, args.concurrency, args.seed
-    );
+/// Runs every selected policy on a fresh fleet and returns the results (no printing but the
+/// progress bar, which is hidden when stderr is not a terminal).
+pub async fn run_policies(args: &DemoArgs) -> Result<Vec<PolicyResult>, String> {
+    let policies: Vec<PolicyKind> = if args.policies.is_empty() {
+        PolicyKind::ALL.to_vec()
+    } else {
+        args.policies.clone()
+    };
+    let conversations = Arc::new(workload(args));
+    let per_policy = conversations
+        .iter()
+        .map(|c| c.user_turns.len())
+        .sum::<usize>();
     let bar = ProgressBar::new((per_policy * policies.len()) as u64);
     bar.set_style(
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests {msg}")
-            .map_err(|e| e.to_string())?,
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests {msg}",
+        )
+        .map_err(|e| e.to_string())?,
     );
-    let total_started = Instant::now();
     let mut results = Vec::new();
     for &p in &policies {
         bar.set_message(p.as_str());
-        results.push(run_policy(p, &args, &conversations, &bar).await?);
+        results.push(run_policy(p, args, &conversations, &bar).await?);
     }
     bar.finish_and_clear();
+    Ok(results)
+}
+
+/// Runs the demo and prints one line per policy.
+pub async fn run(args: DemoArgs) -> Result<(), String> {
+    println!(
+        "kvroute demo: {} engines x {} DP ranks (block {} tokens, {} device blocks per rank), \
+         {} conversations over {} system prompts, {} turns each, concurrency {}, seed {}",
+        ENGINES,
+        DP_SIZE,
+        BLOCK_SIZE_TOKENS,
+        CAPACITY_BLOCKS,
+        args.conversations,
+        args.system_prompts,
+        args.turns,
+        args.concurrency,
+        args.seed
+    );
+    let total_started = Instant::now();
+    let results = run_policies(&args).await?;
     println!(
         "{:<14} {:>9} {:>14} {:>13} {:>10} {:>9} {:>8}",
         "policy", "hit_rate", "ttft_mean_ms", "ttft_p90_ms", "req/s", "requests", "failed"
@@ -286,7 +371,10 @@ pub async fn run(args: DemoArgs) -> Result<(), String> {
             r.failures
         );
     }
-    println!("total wall time {:.1} s", total_started.elapsed().as_secs_f64());
+    println!(
+        "total wall time {:.1} s",
+        total_started.elapsed().as_secs_f64()
+    );
     if results.iter().any(|r| r.failures > 0) {
         return Err("some demo requests failed (see warnings above)".into());
     }

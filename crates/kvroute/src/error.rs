@@ -91,7 +91,13 @@ mod tests {
         assert_eq!(b["error"]["code"], "model_not_found");
         assert_eq!(b["error"]["param"], "model");
         assert!(b["error"]["message"].as_str().unwrap().contains("'x'"));
-        assert_eq!(ApiError::BodyTooLarge { limit_bytes: 1 }.status(), StatusCode::PAYLOAD_TOO_LARGE);
-        assert_eq!(ApiError::UpstreamTimeout(5).status(), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(
+            ApiError::BodyTooLarge { limit_bytes: 1 }.status(),
+            StatusCode::PAYLOAD_TOO_LARGE
+        );
+        assert_eq!(
+            ApiError::UpstreamTimeout(5).status(),
+            StatusCode::GATEWAY_TIMEOUT
+        );
     }
 }

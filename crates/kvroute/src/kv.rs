@@ -49,12 +49,15 @@ pub struct RankHit {
     pub device_blocks: u32,
 }
 
+/// RankId (as index) -> (worker url, dp rank) of one model's index.
+type RankMap = Arc<Vec<Option<(Arc<str>, u32)>>>;
+
 pub struct KvBridge {
     defaults: KvFlagDefaults,
     plane: KvPlane,
     /// Per model, RankId -> (worker url, dp rank). Rank ids are never reused by an index, so a
     /// cached map can only lack new ranks; it is refreshed when a match names an unknown id.
-    rank_maps: RwLock<HashMap<String, Arc<Vec<Option<(Arc<str>, u32)>>>>>,
+    rank_maps: RwLock<HashMap<String, RankMap>>,
 }
 
 thread_local! {
@@ -63,13 +66,20 @@ thread_local! {
 }
 
 impl KvBridge {
-    pub fn new(defaults: KvFlagDefaults, registry: &prometheus::Registry) -> Result<KvBridge, KvPlaneError> {
+    pub fn new(
+        defaults: KvFlagDefaults,
+        registry: &prometheus::Registry,
+    ) -> Result<KvBridge, KvPlaneError> {
         let cfg = KvPlaneConfig {
             default_block_size: defaults.block_size.map(|b| b as u32),
             ..KvPlaneConfig::default()
         };
         let plane = KvPlane::new(cfg, registry)?;
-        Ok(KvBridge { defaults, plane, rank_maps: RwLock::new(HashMap::new()) })
+        Ok(KvBridge {
+            defaults,
+            plane,
+            rank_maps: RwLock::new(HashMap::new()),
+        })
     }
 
     pub fn plane(&self) -> &KvPlane {
@@ -78,14 +88,19 @@ impl KvBridge {
 
     /// Learns model name and KV config: from `/server_info` (SGLang), else from the router's
     /// flags (vLLM advertises nothing), and the model name from `/v1/models` if still unknown.
-    pub async fn discover(&self, http: &reqwest::Client, url: &str) -> Result<EngineInfo, KvBridgeError> {
+    pub async fn discover(
+        &self,
+        http: &reqwest::Client,
+        url: &str,
+    ) -> Result<EngineInfo, KvBridgeError> {
         let info = match kvroute_kv::fetch_worker_info(http, url).await {
             Ok(info) => info,
             // An engine without /server_info (vLLM) answers 404; that is "nothing advertised",
             // not a failure. An unreachable engine is a failure.
-            Err(kvroute_kv::DiscoveryError::HttpStatus { status, .. }) if status == 404 => {
-                WorkerInfo { served_model_name: None, kv_events: None }
-            }
+            Err(kvroute_kv::DiscoveryError::HttpStatus { status: 404, .. }) => WorkerInfo {
+                served_model_name: None,
+                kv_events: None,
+            },
             Err(e) => return Err(e.into()),
         };
         let (kv, kv_source) = match info.kv_events {
@@ -108,22 +123,42 @@ impl KvBridge {
             Some(m) => Some(m),
             None => models_endpoint_first_id(http, url).await.ok(),
         };
-        let dp_size = kv.as_ref().map(|k| k.dp_size).or(self.defaults.dp_size).unwrap_or(1);
+        let dp_size = kv
+            .as_ref()
+            .map(|k| k.dp_size)
+            .or(self.defaults.dp_size)
+            .unwrap_or(1);
         let block_size = kv
             .as_ref()
             .and_then(|k| k.block_size.map(|b| b as usize))
             .or(self.defaults.block_size);
-        Ok(EngineInfo { served_model_name, kv, dp_size, block_size, kv_source })
+        Ok(EngineInfo {
+            served_model_name,
+            kv,
+            dp_size,
+            block_size,
+            kv_source,
+        })
     }
 
     /// Starts consuming the worker's KV events into its model's index. A worker the plane
     /// refuses (no KV config, block size mismatch) stays routable on load alone; the reason is
     /// returned for the logs and `GET /workers`.
-    pub async fn attach(&self, url: &str, model: &str, kv: Option<&KvEventsConfig>) -> Result<u64, String> {
+    pub async fn attach(
+        &self,
+        url: &str,
+        model: &str,
+        kv: Option<&KvEventsConfig>,
+    ) -> Result<u64, String> {
         let Some(kv) = kv else {
-            return Err("worker advertises no KV events and no --kv-events-endpoint-template is set".into());
+            return Err(
+                "worker advertises no KV events and no --kv-events-endpoint-template is set".into(),
+            );
         };
-        self.plane.add_worker(url, model, kv.clone()).await.map_err(|e| e.to_string())
+        self.plane
+            .add_worker(url, model, kv.clone())
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// Stops consuming a worker's events; its ranks are gone from the index when this returns.
@@ -138,7 +173,7 @@ impl KvBridge {
         self.plane.shutdown().await;
     }
 
-    fn rank_map(&self, model: &str, reader: &kvroute_index::IndexReader, need: u32) -> Arc<Vec<Option<(Arc<str>, u32)>>> {
+    fn rank_map(&self, model: &str, reader: &kvroute_index::IndexReader, need: u32) -> RankMap {
         if let Some(m) = self.rank_maps.read().get(model)
             && (need as usize) < m.len()
             && m[need as usize].is_some()
@@ -154,23 +189,32 @@ impl KvBridge {
             map[i] = Some((Arc::from(r.worker_url.as_str()), r.dp_rank));
         }
         let map = Arc::new(map);
-        self.rank_maps.write().insert(model.to_string(), map.clone());
+        self.rank_maps
+            .write()
+            .insert(model.to_string(), map.clone());
         map
     }
 
     /// Hashes `tokens` once and matches them against `model`'s index, calling `visit(url,
     /// dp_rank, hit)` for every rank holding at least the first block. Returns the index's block
     /// size, or `None` when the model has no index (no worker publishes events).
-    pub fn match_prefix(&self, model: &str, tokens: &[u32], mut visit: impl FnMut(&str, u32, RankHit)) -> Option<usize> {
+    pub fn match_prefix(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        mut visit: impl FnMut(&str, u32, RankHit),
+    ) -> Option<usize> {
         let view = self.plane.model_view(model)?;
         let block_size = view.block_size as usize;
         SCRATCH.with(|scratch| {
             let (hashes, matched) = &mut *scratch.borrow_mut();
             hash::hash_token_blocks(tokens, block_size, hash::BASE_NAMESPACE, hashes);
             view.reader.match_prefix(hashes, matched);
-            let mut map: Option<Arc<Vec<Option<(Arc<str>, u32)>>>> = None;
+            let mut map: Option<RankMap> = None;
             for m in &matched.ranks {
-                let known = map.as_ref().and_then(|mp| mp.get(m.rank.0 as usize).cloned().flatten());
+                let known = map
+                    .as_ref()
+                    .and_then(|mp| mp.get(m.rank.0 as usize).cloned().flatten());
                 let entry = match known {
                     Some(e) => Some(e),
                     None => {
@@ -181,7 +225,14 @@ impl KvBridge {
                     }
                 };
                 if let Some((url, dp)) = entry {
-                    visit(&url, dp, RankHit { matched_blocks: m.matched_blocks, device_blocks: m.device_blocks });
+                    visit(
+                        &url,
+                        dp,
+                        RankHit {
+                            matched_blocks: m.matched_blocks,
+                            device_blocks: m.device_blocks,
+                        },
+                    );
                 }
             }
         });
@@ -189,14 +240,20 @@ impl KvBridge {
     }
 
     pub fn engine_load(&self, url: &str, dp_rank: u32) -> Option<EngineLoad> {
-        self.plane
-            .engine_load(url, dp_rank)
-            .map(|l| EngineLoad { running: l.num_running_reqs, waiting: l.num_waiting_reqs })
+        self.plane.engine_load(url, dp_rank).map(|l| EngineLoad {
+            running: l.num_running_reqs,
+            waiting: l.num_waiting_reqs,
+        })
     }
 
     /// Per-rank KV state for `GET /workers` (cursor, subscriber state, counters).
     pub fn rank_states(&self, url: &str) -> Vec<serde_json::Value> {
-        let mut states: Vec<_> = self.plane.rank_states().into_iter().filter(|s| s.worker_url == url).collect();
+        let mut states: Vec<_> = self
+            .plane
+            .rank_states()
+            .into_iter()
+            .filter(|s| s.worker_url == url)
+            .collect();
         states.sort_by_key(|s| s.dp_rank);
         states
             .into_iter()
@@ -231,7 +288,10 @@ async fn models_endpoint_first_id(http: &reqwest::Client, url: &str) -> Result<S
         .ok_or_else(|| "no data[0].id in /v1/models".to_string())
 }
 
-pub async fn read_capped(mut resp: reqwest::Response, limit_bytes: usize) -> Result<Vec<u8>, String> {
+pub async fn read_capped(
+    mut resp: reqwest::Response,
+    limit_bytes: usize,
+) -> Result<Vec<u8>, String> {
     let mut body = Vec::new();
     while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
         if body.len() + chunk.len() > limit_bytes {

@@ -34,7 +34,10 @@ use registry::WorkerSource;
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("cannot bind {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("router setup failed: {0}")]
     Setup(String),
 }
@@ -58,7 +61,9 @@ impl RouterHandle {
         let grace = Duration::from_millis(self.router.config.shutdown_grace_ms);
         let abort = self.join.abort_handle();
         if tokio::time::timeout(grace, self.join).await.is_err() {
-            tracing::warn!("graceful shutdown exceeded its grace period; aborting open connections");
+            tracing::warn!(
+                "graceful shutdown exceeded its grace period; aborting open connections"
+            );
             abort.abort();
         }
         self.router.kv.shutdown().await;
@@ -80,8 +85,14 @@ pub async fn serve_with_registry(
     let router = Arc::new(Router::new(config, prom).map_err(ServeError::Setup)?);
     let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .map_err(|source| ServeError::Bind { addr: listen, source })?;
-    let addr = listener.local_addr().map_err(|source| ServeError::Bind { addr: listen, source })?;
+        .map_err(|source| ServeError::Bind {
+            addr: listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| ServeError::Bind {
+        addr: listen,
+        source,
+    })?;
     // First attempt inline so a router started against a running fleet is usable as soon as
     // `serve` returns; workers not up yet keep being retried in the background.
     let specs = source.initial_workers();
@@ -96,7 +107,10 @@ pub async fn serve_with_registry(
     let app = server::app(router.clone());
     let token = router.shutdown.clone();
     let join = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(token.cancelled_owned()).await {
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(token.cancelled_owned())
+            .await
+        {
             tracing::error!(error = %e, "server stopped with an error");
         }
     });

@@ -23,11 +23,17 @@ pub struct Metrics {
 impl Metrics {
     pub fn new(registry: Registry) -> Result<Metrics, prometheus::Error> {
         let requests = IntCounterVec::new(
-            Opts::new("kvroute_requests_total", "Requests by route and final status code"),
+            Opts::new(
+                "kvroute_requests_total",
+                "Requests by route and final status code",
+            ),
             &["route", "status"],
         )?;
         let decisions = IntCounterVec::new(
-            Opts::new("kvroute_routing_decisions_total", "Routing decisions by policy and reason"),
+            Opts::new(
+                "kvroute_routing_decisions_total",
+                "Routing decisions by policy and reason",
+            ),
             &["policy", "reason"],
         )?;
         let routing_latency = HistogramVec::new(
@@ -46,15 +52,23 @@ impl Metrics {
                 "kvroute_matched_blocks",
                 "Prefix blocks already cached on the chosen rank",
             )
-            .buckets(vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0]),
+            .buckets(vec![
+                0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0,
+            ]),
             &["model"],
         )?;
         let in_flight = IntGaugeVec::new(
-            Opts::new("kvroute_in_flight_requests", "Requests in flight per engine rank"),
+            Opts::new(
+                "kvroute_in_flight_requests",
+                "Requests in flight per engine rank",
+            ),
             &["worker_url", "dp_rank"],
         )?;
         let upstream_failures = IntCounterVec::new(
-            Opts::new("kvroute_upstream_failures_total", "Failed upstream attempts by kind"),
+            Opts::new(
+                "kvroute_upstream_failures_total",
+                "Failed upstream attempts by kind",
+            ),
             &["kind"],
         )?;
         let retries = IntCounterVec::new(

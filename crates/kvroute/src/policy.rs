@@ -80,15 +80,26 @@ pub struct Policy {
     rng: Mutex<StdRng>,
 }
 
-pub fn score(input: &RankInput, prompt_tokens: usize, block_size: usize, w: &CostWeights) -> RankScore {
+pub fn score(
+    input: &RankInput,
+    prompt_tokens: usize,
+    block_size: usize,
+    w: &CostWeights,
+) -> RankScore {
     let bs = block_size as f64;
     let device = input.device_blocks.min(input.matched_blocks) as f64 * bs;
     let offloaded = (input.matched_blocks.saturating_sub(input.device_blocks)) as f64 * bs;
-    let uncached = (prompt_tokens as f64 - device - offloaded * (1.0 - w.offloaded_block_cost_fraction)).max(0.0);
+    let uncached =
+        (prompt_tokens as f64 - device - offloaded * (1.0 - w.offloaded_block_cost_fraction))
+            .max(0.0);
     let queued = input.queued_prefill_tokens.max(0) as f64;
     let cost_us = (uncached + queued) * w.prefill_cost_us_per_token
         + input.effective_in_flight() * w.decode_penalty_us_per_request;
-    RankScore { uncached_tokens: uncached, cost_ms: cost_us / 1000.0, probability: 0.0 }
+    RankScore {
+        uncached_tokens: uncached,
+        cost_ms: cost_us / 1000.0,
+        probability: 0.0,
+    }
 }
 
 impl Policy {
@@ -97,14 +108,21 @@ impl Policy {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
         };
-        Policy { kind, weights, round_robin_next: AtomicU64::new(0), rng: Mutex::new(rng) }
+        Policy {
+            kind,
+            weights,
+            round_robin_next: AtomicU64::new(0),
+            rng: Mutex::new(rng),
+        }
     }
 
     /// Orders `ranks` (all routable) for a prompt of `prompt_tokens` tokens. `ranks` must not be
     /// empty.
     pub fn decide(&self, ranks: &[RankInput], prompt_tokens: usize, block_size: usize) -> Decision {
-        let mut scores: Vec<RankScore> =
-            ranks.iter().map(|r| score(r, prompt_tokens, block_size, &self.weights)).collect();
+        let mut scores: Vec<RankScore> = ranks
+            .iter()
+            .map(|r| score(r, prompt_tokens, block_size, &self.weights))
+            .collect();
         let n = ranks.len();
         let mut rng = self.rng.lock();
         let (order, reason) = match self.kind {
@@ -124,7 +142,8 @@ impl Policy {
                 (order, reason)
             }
             PolicyKind::RoundRobin => {
-                let start = (self.round_robin_next.fetch_add(1, Ordering::Relaxed) % n as u64) as usize;
+                let start =
+                    (self.round_robin_next.fetch_add(1, Ordering::Relaxed) % n as u64) as usize;
                 ((0..n).map(|i| (start + i) % n).collect(), "round_robin")
             }
             PolicyKind::Random => {
@@ -134,13 +153,21 @@ impl Policy {
             }
             PolicyKind::PowerOfTwo => {
                 let a = rng.random_range(0..n);
-                let b = if n > 1 { (a + 1 + rng.random_range(0..n - 1)) % n } else { a };
-                let load = |i: usize| ranks[i].effective_in_flight() * 1e9 + ranks[i].queued_prefill_tokens as f64;
+                let b = if n > 1 {
+                    (a + 1 + rng.random_range(0..n - 1)) % n
+                } else {
+                    a
+                };
+                let load = |i: usize| {
+                    ranks[i].effective_in_flight() * 1e9 + ranks[i].queued_prefill_tokens as f64
+                };
                 let first = if load(b) < load(a) { b } else { a };
                 (order_with_first(first, n, load), "power_of_two")
             }
             PolicyKind::LeastLoad => {
-                let load = |i: usize| ranks[i].effective_in_flight() * 1e9 + ranks[i].queued_prefill_tokens as f64;
+                let load = |i: usize| {
+                    ranks[i].effective_in_flight() * 1e9 + ranks[i].queued_prefill_tokens as f64
+                };
                 let min = (0..n).map(load).fold(f64::INFINITY, f64::min);
                 let ties: Vec<usize> = (0..n).filter(|&i| load(i) == min).collect();
                 let first = ties[rng.random_range(0..ties.len())];
@@ -152,15 +179,24 @@ impl Policy {
                 s.probability = if i == order[0] { 1.0 } else { 0.0 };
             }
         }
-        Decision { order, reason, scores }
+        Decision {
+            order,
+            reason,
+            scores,
+        }
     }
 
     /// Fills in probabilities and draws the first choice.
     fn pick_cache_aware(&self, scores: &mut [RankScore], rng: &mut StdRng) -> usize {
-        let min = scores.iter().map(|s| s.cost_ms).fold(f64::INFINITY, f64::min);
+        let min = scores
+            .iter()
+            .map(|s| s.cost_ms)
+            .fold(f64::INFINITY, f64::min);
         let t = self.weights.temperature_ms;
         if t <= 0.0 {
-            let ties: Vec<usize> = (0..scores.len()).filter(|&i| scores[i].cost_ms <= min).collect();
+            let ties: Vec<usize> = (0..scores.len())
+                .filter(|&i| scores[i].cost_ms <= min)
+                .collect();
             for &i in &ties {
                 scores[i].probability = 1.0 / ties.len() as f64;
             }
@@ -200,7 +236,13 @@ mod tests {
     use super::*;
 
     fn idle(matched: u32) -> RankInput {
-        RankInput { matched_blocks: matched, device_blocks: matched, in_flight: 0, queued_prefill_tokens: 0, engine: None }
+        RankInput {
+            matched_blocks: matched,
+            device_blocks: matched,
+            in_flight: 0,
+            queued_prefill_tokens: 0,
+            engine: None,
+        }
     }
 
     fn policy(kind: PolicyKind) -> Policy {
@@ -227,7 +269,10 @@ mod tests {
     #[test]
     fn engine_reported_load_counts_when_it_exceeds_the_routers_own() {
         let mut a = idle(0);
-        a.engine = Some(EngineLoad { running: 10, waiting: 5 });
+        a.engine = Some(EngineLoad {
+            running: 10,
+            waiting: 5,
+        });
         assert_eq!(a.effective_in_flight(), 15.0);
         let d = policy(PolicyKind::CacheAware).decide(&[a, idle(0)], 64, 16);
         assert_eq!(d.order[0], 1);
@@ -237,7 +282,15 @@ mod tests {
     fn offloaded_blocks_are_worth_less_than_device_blocks() {
         let w = CostWeights::default();
         let device = score(&idle(4), 64, 16, &w);
-        let offloaded = score(&RankInput { device_blocks: 0, ..idle(4) }, 64, 16, &w);
+        let offloaded = score(
+            &RankInput {
+                device_blocks: 0,
+                ..idle(4)
+            },
+            64,
+            16,
+            &w,
+        );
         let cold = score(&idle(0), 64, 16, &w);
         assert!(device.cost_ms < offloaded.cost_ms && offloaded.cost_ms < cold.cost_ms);
     }
@@ -245,10 +298,19 @@ mod tests {
     #[test]
     fn positive_temperature_spreads_choices_and_zero_temperature_does_not() {
         let ranks = [idle(1), idle(0)];
-        let mut w = CostWeights { temperature_ms: 1000.0, ..CostWeights::default() };
+        let mut w = CostWeights {
+            temperature_ms: 1000.0,
+            ..CostWeights::default()
+        };
         let hot = Policy::new(PolicyKind::CacheAware, w, Some(3));
-        let picks: std::collections::HashSet<usize> = (0..200).map(|_| hot.decide(&ranks, 32, 16).order[0]).collect();
-        assert_eq!(picks.len(), 2, "a huge temperature must sometimes pick the costlier rank");
+        let picks: std::collections::HashSet<usize> = (0..200)
+            .map(|_| hot.decide(&ranks, 32, 16).order[0])
+            .collect();
+        assert_eq!(
+            picks.len(),
+            2,
+            "a huge temperature must sometimes pick the costlier rank"
+        );
         w.temperature_ms = 0.0;
         let cold = Policy::new(PolicyKind::CacheAware, w, Some(3));
         assert!((0..200).all(|_| cold.decide(&ranks, 32, 16).order[0] == 0));
@@ -257,7 +319,9 @@ mod tests {
     #[test]
     fn round_robin_cycles_through_every_rank() {
         let p = policy(PolicyKind::RoundRobin);
-        let firsts: Vec<usize> = (0..6).map(|_| p.decide(&[idle(0); 3], 0, 16).order[0]).collect();
+        let firsts: Vec<usize> = (0..6)
+            .map(|_| p.decide(&[idle(0); 3], 0, 16).order[0])
+            .collect();
         assert_eq!(firsts, vec![0, 1, 2, 0, 1, 2]);
     }
 

@@ -44,17 +44,29 @@ pub struct LoadGuard {
 }
 
 impl LoadGuard {
-    pub fn acquire(rank: Arc<RankLoad>, gauge: prometheus::IntGauge, prefill_tokens: i64) -> LoadGuard {
+    pub fn acquire(
+        rank: Arc<RankLoad>,
+        gauge: prometheus::IntGauge,
+        prefill_tokens: i64,
+    ) -> LoadGuard {
         rank.in_flight.fetch_add(1, Ordering::Relaxed);
-        rank.queued_prefill_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
+        rank.queued_prefill_tokens
+            .fetch_add(prefill_tokens, Ordering::Relaxed);
         rank.dispatched_total.fetch_add(1, Ordering::Relaxed);
         gauge.inc();
-        LoadGuard { rank, gauge, prefill_tokens, prefill_pending: true }
+        LoadGuard {
+            rank,
+            gauge,
+            prefill_tokens,
+            prefill_pending: true,
+        }
     }
 
     pub fn prefill_done(&mut self) {
         if std::mem::take(&mut self.prefill_pending) {
-            self.rank.queued_prefill_tokens.fetch_sub(self.prefill_tokens, Ordering::Relaxed);
+            self.rank
+                .queued_prefill_tokens
+                .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
         }
     }
 }
@@ -135,19 +147,31 @@ fn upstream_body(fwd: &Forward<'_>, worker: &Worker, dp_rank: u32) -> Result<Vec
 /// response.
 pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response, ApiError> {
     let plan = fwd.plan;
-    let attempts = plan.decision.order.len().min(router.config.max_retries as usize + 1);
+    let attempts = plan
+        .decision
+        .order
+        .len()
+        .min(router.config.max_retries as usize + 1);
     let timeout = Duration::from_millis(router.config.request_timeout_ms);
     let mut last_error = String::new();
     for (attempt, &idx) in plan.decision.order.iter().take(attempts).enumerate() {
         let cand = &plan.candidates[idx];
         let worker = &cand.worker;
         if attempt > 0 {
-            router.metrics.retries.with_label_values(&[fwd.endpoint.path()]).inc();
+            router
+                .metrics
+                .retries
+                .with_label_values(&[fwd.endpoint.path()])
+                .inc();
         }
         let body = upstream_body(&fwd, worker, cand.dp_rank)?;
-        let gauge = router.metrics.in_flight.with_label_values(&[&worker.url, &cand.dp_rank.to_string()]);
+        let gauge = router
+            .metrics
+            .in_flight
+            .with_label_values(&[&worker.url, &cand.dp_rank.to_string()]);
         let uncached = plan.decision.scores[idx].uncached_tokens as i64;
-        let guard = LoadGuard::acquire(worker.ranks[cand.dp_rank as usize].clone(), gauge, uncached);
+        let guard =
+            LoadGuard::acquire(worker.ranks[cand.dp_rank as usize].clone(), gauge, uncached);
         let request = router
             .http
             .post(format!("{}{}", worker.url, fwd.endpoint.path()))
@@ -157,19 +181,31 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
             .body(body);
         match tokio::time::timeout(timeout, request.send()).await {
             Err(_) => {
-                router.metrics.upstream_failures.with_label_values(&["timeout"]).inc();
+                router
+                    .metrics
+                    .upstream_failures
+                    .with_label_values(&["timeout"])
+                    .inc();
                 router.health_event(worker, HealthEvent::RequestFailed);
                 return Err(ApiError::UpstreamTimeout(router.config.request_timeout_ms));
             }
             Ok(Err(e)) if e.is_connect() => {
-                router.metrics.upstream_failures.with_label_values(&["connect"]).inc();
+                router
+                    .metrics
+                    .upstream_failures
+                    .with_label_values(&["connect"])
+                    .inc();
                 router.health_event(worker, HealthEvent::RequestFailed);
                 tracing::warn!(url = %worker.url, error = %e, attempt, "upstream connect failed");
                 last_error = format!("{}: {e}", worker.url);
                 continue;
             }
             Ok(Err(e)) => {
-                router.metrics.upstream_failures.with_label_values(&["send"]).inc();
+                router
+                    .metrics
+                    .upstream_failures
+                    .with_label_values(&["send"])
+                    .inc();
                 router.health_event(worker, HealthEvent::RequestFailed);
                 return Err(ApiError::Upstream(format!("{}: {e}", worker.url)));
             }
@@ -177,10 +213,18 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
                 let status = resp.status();
                 router.health_event(
                     worker,
-                    if status.is_server_error() { HealthEvent::RequestFailed } else { HealthEvent::RequestOk },
+                    if status.is_server_error() {
+                        HealthEvent::RequestFailed
+                    } else {
+                        HealthEvent::RequestOk
+                    },
                 );
                 if status.is_server_error() {
-                    router.metrics.upstream_failures.with_label_values(&["status_5xx"]).inc();
+                    router
+                        .metrics
+                        .upstream_failures
+                        .with_label_values(&["status_5xx"])
+                        .inc();
                 }
                 let mut headers = HeaderMap::new();
                 if let Some(ct) = resp.headers().get("content-type") {
@@ -195,13 +239,19 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
                         headers.insert(HeaderName::from_static(DECISION_HEADER), v);
                     }
                 }
-                let stream = TrackedStream { inner: Box::pin(resp.bytes_stream()), guard: Some(guard) };
+                let stream = TrackedStream {
+                    inner: Box::pin(resp.bytes_stream()),
+                    guard: Some(guard),
+                };
                 let mut response = Response::new(Body::from_stream(stream));
-                *response.status_mut() = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+                *response.status_mut() =
+                    StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
                 *response.headers_mut() = headers;
                 return Ok(response);
             }
         }
     }
-    Err(ApiError::Upstream(format!("no rank reachable after {attempts} attempts; last: {last_error}")))
+    Err(ApiError::Upstream(format!(
+        "no rank reachable after {attempts} attempts; last: {last_error}"
+    )))
 }

@@ -61,7 +61,9 @@ pub enum Health {
     Pending,
     Healthy,
     /// Too many consecutive passive failures; not routed to before `until`.
-    Ejected { until: Instant },
+    Ejected {
+        until: Instant,
+    },
     /// The active health check failed.
     Down,
 }
@@ -83,7 +85,11 @@ pub struct HealthState {
 
 impl HealthState {
     pub fn new(now: Instant) -> Self {
-        HealthState { health: Health::Pending, consecutive_failures: 0, last_change: now }
+        HealthState {
+            health: Health::Pending,
+            consecutive_failures: 0,
+            last_change: now,
+        }
     }
 
     pub fn routable(&self, now: Instant) -> bool {
@@ -95,7 +101,13 @@ impl HealthState {
     }
 
     /// The transition function. `eject_after` consecutive failures eject for `cooldown`.
-    pub fn on_event(&mut self, ev: HealthEvent, now: Instant, eject_after: u32, cooldown: Duration) {
+    pub fn on_event(
+        &mut self,
+        ev: HealthEvent,
+        now: Instant,
+        eject_after: u32,
+        cooldown: Duration,
+    ) {
         let next = match (self.health, ev) {
             (_, HealthEvent::RequestOk) => {
                 self.consecutive_failures = 0;
@@ -110,16 +122,22 @@ impl HealthState {
                 self.consecutive_failures = 0;
                 Health::Healthy
             }
-            (Health::Ejected { until }, HealthEvent::RequestFailed) if now < until => Health::Ejected { until },
+            (Health::Ejected { until }, HealthEvent::RequestFailed) if now < until => {
+                Health::Ejected { until }
+            }
             (_, HealthEvent::RequestFailed) => {
                 self.consecutive_failures += 1;
                 if self.consecutive_failures >= eject_after.max(1) {
-                    Health::Ejected { until: now + cooldown }
+                    Health::Ejected {
+                        until: now + cooldown,
+                    }
                 } else {
                     self.health
                 }
             }
-            (Health::Ejected { until }, HealthEvent::CheckFailed) if now < until => Health::Ejected { until },
+            (Health::Ejected { until }, HealthEvent::CheckFailed) if now < until => {
+                Health::Ejected { until }
+            }
             (_, HealthEvent::CheckFailed) => Health::Down,
         };
         if next != self.health {
@@ -184,7 +202,10 @@ pub enum RegistryError {
 
 impl Default for Registry {
     fn default() -> Self {
-        Registry { inner: RwLock::new(Inner::default()), next_id: AtomicU64::new(1) }
+        Registry {
+            inner: RwLock::new(Inner::default()),
+            next_id: AtomicU64::new(1),
+        }
     }
 }
 
@@ -208,7 +229,9 @@ impl Registry {
             url: url.to_string(),
             model: model.to_string(),
             dp_size: dp_size.max(1),
-            ranks: (0..dp_size.max(1)).map(|_| Arc::new(RankLoad::default())).collect(),
+            ranks: (0..dp_size.max(1))
+                .map(|_| Arc::new(RankLoad::default()))
+                .collect(),
             health: Mutex::new(HealthState::new(Instant::now())),
             kv_source,
             kv_attach_error: Mutex::new(None),
@@ -221,7 +244,12 @@ impl Registry {
                 block_size: g.block_size,
                 workers: g.workers.iter().cloned().chain([worker.clone()]).collect(),
             },
-            None => ModelGroup { name: model.to_string(), tokenizer, block_size, workers: vec![worker.clone()] },
+            None => ModelGroup {
+                name: model.to_string(),
+                tokenizer,
+                block_size,
+                workers: vec![worker.clone()],
+            },
         };
         inner.models.insert(model.to_string(), Arc::new(group));
         Ok(worker)
@@ -256,7 +284,11 @@ impl Registry {
     /// The model a request without `model` goes to: the only one, if exactly one exists.
     pub fn sole_model(&self) -> Option<Arc<ModelGroup>> {
         let inner = self.inner.read();
-        if inner.models.len() == 1 { inner.models.values().next().cloned() } else { None }
+        if inner.models.len() == 1 {
+            inner.models.values().next().cloned()
+        } else {
+            None
+        }
     }
 
     pub fn models(&self) -> Vec<Arc<ModelGroup>> {
@@ -272,12 +304,22 @@ impl Registry {
     }
 
     pub fn by_url(&self, url: &str) -> Option<Arc<Worker>> {
-        self.inner.read().workers.values().find(|w| w.url == url).cloned()
+        self.inner
+            .read()
+            .workers
+            .values()
+            .find(|w| w.url == url)
+            .cloned()
     }
 
     pub fn healthy_count(&self) -> usize {
         let now = Instant::now();
-        self.inner.read().workers.values().filter(|w| w.routable(now)).count()
+        self.inner
+            .read()
+            .workers
+            .values()
+            .filter(|w| w.routable(now))
+            .count()
     }
 }
 

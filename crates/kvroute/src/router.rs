@@ -132,9 +132,16 @@ impl Router {
                 .into());
             }
         };
-        let tokenizer_path = self.config.model_tokenizers.get(&model).or(self.config.tokenizer_path.as_ref());
+        let tokenizer_path = self
+            .config
+            .model_tokenizers
+            .get(&model)
+            .or(self.config.tokenizer_path.as_ref());
         let tokenizer = match tokenizer_path {
-            Some(p) => match self.tokenizers.get_or_load(p, self.config.tokenizer_cache_entries_max) {
+            Some(p) => match self
+                .tokenizers
+                .get_or_load(p, self.config.tokenizer_cache_entries_max)
+            {
                 Ok(t) => Some(t),
                 Err(e) => {
                     tracing::warn!(%model, error = %e, "no tokenizer; text requests route on load only");
@@ -150,10 +157,19 @@ impl Router {
             tracing::warn!(%model, group = group.block_size, worker = block_size, url = %spec.url,
                 "worker block size differs from its model group's; the group's is used for hashing");
         }
-        let worker =
-            self.registry.add(&spec.url, &model, info.dp_size, block_size, tokenizer, info.kv_source)?;
+        let worker = self.registry.add(
+            &spec.url,
+            &model,
+            info.dp_size,
+            block_size,
+            tokenizer,
+            info.kv_source,
+        )?;
         if reached {
-            worker.health.lock().on_event(HealthEvent::CheckOk, Instant::now(), 1, Duration::ZERO);
+            worker
+                .health
+                .lock()
+                .on_event(HealthEvent::CheckOk, Instant::now(), 1, Duration::ZERO);
         }
         let kv_attached = self.kv.attach(&spec.url, &model, info.kv.as_ref()).await;
         if let Err(reason) = &kv_attached {
@@ -169,7 +185,10 @@ impl Router {
         let worker = self.registry.remove(id)?;
         self.kv.detach(&worker.url).await;
         for r in 0..worker.dp_size {
-            let _ = self.metrics.in_flight.remove_label_values(&[&worker.url, &r.to_string()]);
+            let _ = self
+                .metrics
+                .in_flight
+                .remove_label_values(&[&worker.url, &r.to_string()]);
         }
         tracing::info!(id, url = %worker.url, "worker removed");
         Some(worker)
@@ -184,7 +203,9 @@ impl Router {
                 match router.register(&spec).await {
                     Ok(_) => return,
                     Err(RegisterError::Registry(_)) => return,
-                    Err(e) => tracing::warn!(url = %spec.url, error = %e, "worker registration failed; retrying"),
+                    Err(e) => {
+                        tracing::warn!(url = %spec.url, error = %e, "worker registration failed; retrying")
+                    }
                 }
                 tokio::select! {
                     _ = router.shutdown.cancelled() => return,
@@ -198,11 +219,18 @@ impl Router {
     /// The model group a request names (or the only one when it names none).
     pub fn resolve_model(&self, model: Option<&str>) -> Result<Arc<ModelGroup>, ApiError> {
         match model {
-            Some(m) => self.registry.model(m).ok_or_else(|| ApiError::UnknownModel(m.to_string())),
-            None => self.registry.sole_model().ok_or_else(|| ApiError::MissingField {
-                message: "'model' is required when the router serves several models (or none)".into(),
-                param: "model".into(),
-            }),
+            Some(m) => self
+                .registry
+                .model(m)
+                .ok_or_else(|| ApiError::UnknownModel(m.to_string())),
+            None => self
+                .registry
+                .sole_model()
+                .ok_or_else(|| ApiError::MissingField {
+                    message: "'model' is required when the router serves several models (or none)"
+                        .into(),
+                    param: "model".into(),
+                }),
         }
     }
 
@@ -223,21 +251,30 @@ impl Router {
                         matched_blocks: 0,
                         device_blocks: 0,
                         in_flight: load.in_flight.load(std::sync::atomic::Ordering::Relaxed),
-                        queued_prefill_tokens: load.queued_prefill_tokens.load(std::sync::atomic::Ordering::Relaxed),
+                        queued_prefill_tokens: load
+                            .queued_prefill_tokens
+                            .load(std::sync::atomic::Ordering::Relaxed),
                         engine: self.kv.engine_load(&w.url, r as u32),
                     },
                 });
             }
         }
         if candidates.is_empty() {
-            return Err(ApiError::NoHealthyWorker(format!("no healthy worker serves model '{}'", group.name)));
+            return Err(ApiError::NoHealthyWorker(format!(
+                "no healthy worker serves model '{}'",
+                group.name
+            )));
         }
-        let needs_match = self.policy.kind == crate::config::PolicyKind::CacheAware && !tokens.is_empty();
+        let needs_match =
+            self.policy.kind == crate::config::PolicyKind::CacheAware && !tokens.is_empty();
         let mut block_size = group.block_size;
         let mut indexed = false;
         if needs_match
             && let Some(bs) = self.kv.match_prefix(&group.name, tokens, |url, dp, hit| {
-                if let Some(c) = candidates.iter_mut().find(|c| c.dp_rank == dp && &*c.worker.url == url) {
+                if let Some(c) = candidates
+                    .iter_mut()
+                    .find(|c| c.dp_rank == dp && &*c.worker.url == url)
+                {
                     c.input.matched_blocks = hit.matched_blocks;
                     c.input.device_blocks = hit.device_blocks;
                 }
@@ -249,14 +286,26 @@ impl Router {
         let inputs: Vec<RankInput> = candidates.iter().map(|c| c.input).collect();
         let decision = self.policy.decide(&inputs, tokens.len(), block_size);
         let policy = self.policy.kind.as_str();
-        self.metrics.routing_latency.with_label_values(&[policy]).observe(started.elapsed().as_secs_f64());
-        Ok(RoutePlan { model: group, candidates, decision, prompt_tokens: tokens.len(), indexed })
+        self.metrics
+            .routing_latency
+            .with_label_values(&[policy])
+            .observe(started.elapsed().as_secs_f64());
+        Ok(RoutePlan {
+            model: group,
+            candidates,
+            decision,
+            prompt_tokens: tokens.len(),
+            indexed,
+        })
     }
 
     /// Records a routed decision in the metrics (not done for `/debug/route`).
     pub fn record_decision(&self, plan: &RoutePlan) {
         let policy = self.policy.kind.as_str();
-        self.metrics.decisions.with_label_values(&[policy, plan.decision.reason]).inc();
+        self.metrics
+            .decisions
+            .with_label_values(&[policy, plan.decision.reason])
+            .inc();
         self.metrics
             .matched_blocks
             .with_label_values(&[&plan.model.name])
@@ -300,7 +349,14 @@ impl Router {
                             .await
                             .map(|r| r.status().is_success())
                             .unwrap_or(false);
-                        router.health_event(&w, if ok { HealthEvent::CheckOk } else { HealthEvent::CheckFailed });
+                        router.health_event(
+                            &w,
+                            if ok {
+                                HealthEvent::CheckOk
+                            } else {
+                                HealthEvent::CheckFailed
+                            },
+                        );
                     }
                 });
                 futures::future::join_all(checks).await;

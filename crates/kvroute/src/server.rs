@@ -44,7 +44,10 @@ impl ReadinessGate for HealthyWorkerGate {
     }
     fn check(&self) -> Result<(), String> {
         match self.0.registry.healthy_count() {
-            0 => Err(format!("0 of {} registered workers are healthy", self.0.registry.workers().len())),
+            0 => Err(format!(
+                "0 of {} registered workers are healthy",
+                self.0.registry.workers().len()
+            )),
             _ => Ok(()),
         }
     }
@@ -53,7 +56,10 @@ impl ReadinessGate for HealthyWorkerGate {
 pub fn app(router: Arc<Router>) -> AxumRouter {
     let mut gates: Vec<Arc<dyn ReadinessGate>> = vec![Arc::new(HealthyWorkerGate(router.clone()))];
     gates.extend(router.config.extra_readiness_gates.iter().cloned());
-    let state = AppState { router, gates: Arc::new(gates) };
+    let state = AppState {
+        router,
+        gates: Arc::new(gates),
+    };
     AxumRouter::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -98,7 +104,16 @@ async fn proxied(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Body
         let prepared = prepare(&router, endpoint, &bytes)?;
         let plan = router.plan(prepared.group, &prepared.tokens)?;
         router.record_decision(&plan);
-        proxy::forward(&router, Forward { endpoint, body: prepared.body, request_id: &rid, plan: &plan }).await
+        proxy::forward(
+            &router,
+            Forward {
+                endpoint,
+                body: prepared.body,
+                request_id: &rid,
+                plan: &plan,
+            },
+        )
+        .await
     }
     .await;
     let mut resp = match result {
@@ -113,17 +128,29 @@ async fn proxied(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Body
     if let Ok(v) = HeaderValue::from_str(&rid) {
         resp.headers_mut().insert(REQUEST_ID_HEADER, v);
     }
-    router.metrics.requests.with_label_values(&[endpoint.path(), resp.status().as_str()]).inc();
+    router
+        .metrics
+        .requests
+        .with_label_values(&[endpoint.path(), resp.status().as_str()])
+        .inc();
     resp
 }
 
 pub async fn read_body(body: Body, limit_bytes: usize) -> Result<bytes::Bytes, ApiError> {
-    match http_body_util::Limited::new(body, limit_bytes).collect().await {
+    match http_body_util::Limited::new(body, limit_bytes)
+        .collect()
+        .await
+    {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
             Err(ApiError::BodyTooLarge { limit_bytes })
         }
-        Err(e) => Err(ApiError::BadRequest(format!("cannot read request body: {e}"))),
+        Err(e) => Err(ApiError::BadRequest(format!(
+            "cannot read request body: {e}"
+        ))),
     }
 }
 
@@ -136,7 +163,9 @@ pub struct Prepared {
 
 fn token_array(v: &Value) -> Option<Vec<u32>> {
     let arr = v.as_array()?;
-    arr.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
+    arr.iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
 }
 
 fn bad(msg: impl Into<String>) -> ApiError {
@@ -144,11 +173,15 @@ fn bad(msg: impl Into<String>) -> ApiError {
 }
 
 fn missing(field: &str, msg: &str) -> ApiError {
-    ApiError::MissingField { message: msg.to_string(), param: field.to_string() }
+    ApiError::MissingField {
+        message: msg.to_string(),
+        param: field.to_string(),
+    }
 }
 
 pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prepared, ApiError> {
-    let value: Value = serde_json::from_slice(bytes).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    let value: Value =
+        serde_json::from_slice(bytes).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
     let Value::Object(mut body) = value else {
         return Err(bad("request body must be a JSON object"));
     };
@@ -164,14 +197,22 @@ pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prep
             (Some(ids), _) if !ids.is_null() => match token_array(ids) {
                 Some(t) => t,
                 // A batch (list of lists) is forwarded untouched and routed on load.
-                None if ids.as_array().is_some_and(|a| a.iter().all(Value::is_array)) => Vec::new(),
+                None if ids
+                    .as_array()
+                    .is_some_and(|a| a.iter().all(Value::is_array)) =>
+                {
+                    Vec::new()
+                }
                 None => return Err(bad("'input_ids' must be an array of token ids (u32)")),
             },
             (_, Some(Value::String(text))) => match &tok {
                 Some(t) => {
                     let ids = t.encode_prompt(text).map_err(|e| bad(e.to_string()))?;
                     body.remove("text");
-                    body.insert("input_ids".into(), ids.iter().copied().map(Value::from).collect());
+                    body.insert(
+                        "input_ids".into(),
+                        ids.iter().copied().map(Value::from).collect(),
+                    );
                     ids
                 }
                 None => Vec::new(),
@@ -185,7 +226,10 @@ pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prep
             Some(Value::String(text)) => match &tok {
                 Some(t) => {
                     let ids = t.encode_prompt(text).map_err(|e| bad(e.to_string()))?;
-                    body.insert("prompt".into(), ids.iter().copied().map(Value::from).collect());
+                    body.insert(
+                        "prompt".into(),
+                        ids.iter().copied().map(Value::from).collect(),
+                    );
                     ids
                 }
                 None => Vec::new(),
@@ -193,13 +237,19 @@ pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prep
             Some(p @ Value::Array(items)) => match token_array(p) {
                 Some(t) => t,
                 None if items.iter().all(|i| i.is_string() || i.is_array()) => Vec::new(),
-                None => return Err(bad("'prompt' must be a string, an array of token ids or a batch")),
+                None => {
+                    return Err(bad(
+                        "'prompt' must be a string, an array of token ids or a batch",
+                    ));
+                }
             },
             Some(_) => return Err(bad("'prompt' must be a string or an array")),
         },
         Endpoint::ChatCompletions => {
             let messages = match body.get("messages") {
-                None | Some(Value::Null) => return Err(missing("messages", "'messages' is required")),
+                None | Some(Value::Null) => {
+                    return Err(missing("messages", "'messages' is required"));
+                }
                 Some(Value::Array(m)) => m,
                 Some(_) => return Err(bad("'messages' must be an array")),
             };
@@ -208,12 +258,20 @@ pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prep
                     let normalized = crate::tokenize::normalize_messages(messages);
                     match t.encode_chat(&normalized) {
                         Ok((ids, how)) => {
-                            if let crate::tokenize::ChatTokenization::Segmented { cached_segments, fresh_segments } = how {
+                            if let crate::tokenize::ChatTokenization::Segmented {
+                                cached_segments,
+                                fresh_segments,
+                            } = how
+                            {
                                 let m = &router.metrics.tokenizer_cache;
                                 m.with_label_values(&["hit"]).inc_by(cached_segments as u64);
                                 m.with_label_values(&["miss"]).inc_by(fresh_segments as u64);
                             } else {
-                                router.metrics.tokenizer_cache.with_label_values(&["whole"]).inc();
+                                router
+                                    .metrics
+                                    .tokenizer_cache
+                                    .with_label_values(&["whole"])
+                                    .inc();
                             }
                             ids
                         }
@@ -228,7 +286,11 @@ pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prep
             }
         }
     };
-    Ok(Prepared { group, tokens, body })
+    Ok(Prepared {
+        group,
+        tokens,
+        body,
+    })
 }
 
 async fn models(State(s): State<AppState>) -> Response {
@@ -237,11 +299,17 @@ async fn models(State(s): State<AppState>) -> Response {
         .registry
         .models()
         .iter()
-        .map(|g| json!({"id": g.name, "object": "model", "created": 0, "owned_by": "kvroute",
-            "workers": g.workers.len()}))
+        .map(|g| {
+            json!({"id": g.name, "object": "model", "created": 0, "owned_by": "kvroute",
+            "workers": g.workers.len()})
+        })
         .collect();
     let resp = axum::Json(json!({"object": "list", "data": data})).into_response();
-    s.router.metrics.requests.with_label_values(&["/v1/models", "200"]).inc();
+    s.router
+        .metrics
+        .requests
+        .with_label_values(&["/v1/models", "200"])
+        .inc();
     resp
 }
 
@@ -275,7 +343,8 @@ async fn debug_route(State(s): State<AppState>, body: Body) -> Response {
     let router = &s.router;
     let result = async {
         let bytes = read_body(body, router.config.max_body_bytes).await?;
-        let v: Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+        let v: Value =
+            serde_json::from_slice(&bytes).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
         let endpoint = if v.get("messages").is_some() {
             Endpoint::ChatCompletions
         } else if v.get("input_ids").is_some() || v.get("text").is_some() {
@@ -292,7 +361,11 @@ async fn debug_route(State(s): State<AppState>, body: Body) -> Response {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => e.into_response(),
     };
-    router.metrics.requests.with_label_values(&["/debug/route", resp.status().as_str()]).inc();
+    router
+        .metrics
+        .requests
+        .with_label_values(&["/debug/route", resp.status().as_str()])
+        .inc();
     resp
 }
 
@@ -321,7 +394,13 @@ fn worker_json(router: &Router, w: &crate::registry::Worker) -> Value {
 }
 
 async fn list_workers(State(s): State<AppState>) -> Response {
-    let workers: Vec<Value> = s.router.registry.workers().iter().map(|w| worker_json(&s.router, w)).collect();
+    let workers: Vec<Value> = s
+        .router
+        .registry
+        .workers()
+        .iter()
+        .map(|w| worker_json(&s.router, w))
+        .collect();
     axum::Json(json!({"workers": workers})).into_response()
 }
 
@@ -329,8 +408,12 @@ async fn add_worker(State(s): State<AppState>, body: Body) -> Response {
     let router = &s.router;
     let result = async {
         let bytes = read_body(body, ADMIN_BODY_MAX_BYTES).await?;
-        let v: Value = serde_json::from_slice(&bytes).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
-        let url = v.get("url").and_then(Value::as_str).ok_or_else(|| missing("url", "'url' (string) is required"))?;
+        let v: Value =
+            serde_json::from_slice(&bytes).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+        let url = v
+            .get("url")
+            .and_then(Value::as_str)
+            .ok_or_else(|| missing("url", "'url' (string) is required"))?;
         let model = match v.get("model") {
             None | Some(Value::Null) => None,
             Some(Value::String(m)) if !m.is_empty() => Some(m.clone()),
@@ -358,14 +441,19 @@ async fn remove_worker(State(s): State<AppState>, Path(id): Path<String>) -> Res
         return bad("worker id must be an integer (see GET /workers)").into_response();
     };
     match s.router.deregister(id).await {
-        Some(w) => axum::Json(json!({"removed": {"id": w.id, "url": w.url, "model": w.model}})).into_response(),
+        Some(w) => axum::Json(json!({"removed": {"id": w.id, "url": w.url, "model": w.model}}))
+            .into_response(),
         None => ApiError::UnknownWorker(id.to_string()).into_response(),
     }
 }
 
 async fn readyz(State(s): State<AppState>) -> Response {
     let report = readiness::evaluate(&s.gates);
-    let status = if report.ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if report.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     (status, axum::Json(report)).into_response()
 }
 

@@ -56,7 +56,10 @@ pub enum TokenizeError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChatTokenization {
     /// Every segment was tokenized now or taken from the cache.
-    Segmented { cached_segments: usize, fresh_segments: usize },
+    Segmented {
+        cached_segments: usize,
+        fresh_segments: usize,
+    },
     /// The whole rendering was tokenized (template not prefix-stable, or model fell back).
     Whole,
 }
@@ -138,15 +141,24 @@ impl ModelTokenizer {
     /// Loads `tokenizer.json` (the path may be the file or its directory) and, when present, the
     /// `chat_template` from the sibling `tokenizer_config.json`.
     pub fn load(path: &Path, cache_entries_max: usize) -> Result<ModelTokenizer, TokenizeError> {
-        let file = if path.is_dir() { path.join("tokenizer.json") } else { path.to_path_buf() };
-        let load_err = |reason: String| TokenizeError::Load { path: file.clone(), reason };
-        let tokenizer = tokenizers::Tokenizer::from_file(&file).map_err(|e| load_err(e.to_string()))?;
+        let file = if path.is_dir() {
+            path.join("tokenizer.json")
+        } else {
+            path.to_path_buf()
+        };
+        let load_err = |reason: String| TokenizeError::Load {
+            path: file.clone(),
+            reason,
+        };
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(&file).map_err(|e| load_err(e.to_string()))?;
         let config_path = file
             .parent()
             .map(|d| d.join("tokenizer_config.json"))
             .unwrap_or_else(|| PathBuf::from("tokenizer_config.json"));
         let config: Value = match std::fs::read_to_string(&config_path) {
-            Ok(s) => serde_json::from_str(&s).map_err(|e| load_err(format!("tokenizer_config.json: {e}")))?,
+            Ok(s) => serde_json::from_str(&s)
+                .map_err(|e| load_err(format!("tokenizer_config.json: {e}")))?,
             Err(_) => Value::Null,
         };
         let template_src = match config.get("chat_template") {
@@ -164,9 +176,15 @@ impl ModelTokenizer {
         let template = match template_src {
             Some(src) => {
                 let mut env = minijinja::Environment::new();
-                env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-                    Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-                });
+                env.add_function(
+                    "raise_exception",
+                    |msg: String| -> Result<String, minijinja::Error> {
+                        Err(minijinja::Error::new(
+                            minijinja::ErrorKind::InvalidOperation,
+                            msg,
+                        ))
+                    },
+                );
                 env.add_template_owned("chat", src)
                     .map_err(|e| load_err(format!("chat_template: {e}")))?;
                 Some(env)
@@ -202,9 +220,18 @@ impl ModelTokenizer {
     }
 
     /// Renders messages with the chat template. `messages` must be a JSON array of objects.
-    pub fn render(&self, messages: &[Value], add_generation_prompt: bool) -> Result<String, TokenizeError> {
-        let env = self.template.as_ref().ok_or(TokenizeError::NoChatTemplate)?;
-        let tmpl = env.get_template("chat").map_err(|e| TokenizeError::Template(e.to_string()))?;
+    pub fn render(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizeError> {
+        let env = self
+            .template
+            .as_ref()
+            .ok_or(TokenizeError::NoChatTemplate)?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
         tmpl.render(minijinja::context! {
             messages => minijinja::Value::from_serialize(messages),
             add_generation_prompt => add_generation_prompt,
@@ -222,7 +249,10 @@ impl ModelTokenizer {
     }
 
     /// Tokenizes a chat with the per-segment cache (see the module doc for why it is exact).
-    pub fn encode_chat(&self, messages: &[Value]) -> Result<(Vec<u32>, ChatTokenization), TokenizeError> {
+    pub fn encode_chat(
+        &self,
+        messages: &[Value],
+    ) -> Result<(Vec<u32>, ChatTokenization), TokenizeError> {
         validate_messages(messages)?;
         if self.segmented_disabled.load(Ordering::Relaxed) {
             return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
@@ -231,7 +261,7 @@ impl ModelTokenizer {
             return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
         };
         let n = self.chats_seen.fetch_add(1, Ordering::Relaxed);
-        if n < VERIFY_FIRST_CHATS || n % VERIFY_EVERY_NTH_CHAT == 0 {
+        if n < VERIFY_FIRST_CHATS || n.is_multiple_of(VERIFY_EVERY_NTH_CHAT) {
             let whole = self.encode_chat_whole(messages)?;
             if whole != tokens {
                 tracing::warn!(
@@ -264,7 +294,10 @@ impl ModelTokenizer {
                 return Ok(None);
             };
             if !segment.is_empty() {
-                let key = (xxhash_rust::xxh3::xxh3_64(segment.as_bytes()), segment.len());
+                let key = (
+                    xxhash_rust::xxh3::xxh3_64(segment.as_bytes()),
+                    segment.len(),
+                );
                 let hit = self.cache.lock().get(key);
                 let tokens = match hit {
                     Some(t) => {
@@ -282,7 +315,13 @@ impl ModelTokenizer {
             }
             prev = rendered;
         }
-        Ok(Some((out, ChatTokenization::Segmented { cached_segments: cached, fresh_segments: fresh })))
+        Ok(Some((
+            out,
+            ChatTokenization::Segmented {
+                cached_segments: cached,
+                fresh_segments: fresh,
+            },
+        )))
     }
 
     pub fn cached_segments(&self) -> usize {
@@ -296,7 +335,9 @@ impl ModelTokenizer {
 
 fn validate_messages(messages: &[Value]) -> Result<(), TokenizeError> {
     if messages.is_empty() {
-        return Err(TokenizeError::BadMessages("messages must not be empty".into()));
+        return Err(TokenizeError::BadMessages(
+            "messages must not be empty".into(),
+        ));
     }
     if messages.len() > MAX_CHAT_MESSAGES {
         return Err(TokenizeError::BadMessages(format!(
@@ -305,7 +346,9 @@ fn validate_messages(messages: &[Value]) -> Result<(), TokenizeError> {
     }
     for (i, m) in messages.iter().enumerate() {
         if m.get("role").and_then(Value::as_str).is_none() {
-            return Err(TokenizeError::BadMessages(format!("messages[{i}].role must be a string")));
+            return Err(TokenizeError::BadMessages(format!(
+                "messages[{i}].role must be a string"
+            )));
         }
     }
     Ok(())
@@ -338,12 +381,21 @@ pub struct TokenizerSet {
 }
 
 impl TokenizerSet {
-    pub fn get_or_load(&self, path: &Path, cache_entries_max: usize) -> Result<Arc<ModelTokenizer>, TokenizeError> {
+    pub fn get_or_load(
+        &self,
+        path: &Path,
+        cache_entries_max: usize,
+    ) -> Result<Arc<ModelTokenizer>, TokenizeError> {
         if let Some(t) = self.loaded.lock().get(path) {
             return Ok(t.clone());
         }
         let t = Arc::new(ModelTokenizer::load(path, cache_entries_max)?);
-        Ok(self.loaded.lock().entry(path.to_path_buf()).or_insert(t).clone())
+        Ok(self
+            .loaded
+            .lock()
+            .entry(path.to_path_buf())
+            .or_insert(t)
+            .clone())
     }
 }
 
@@ -359,7 +411,10 @@ mod tests {
             assert!(c.len() <= 8, "cache grew to {}", c.len());
         }
         assert!(c.get((99, 1)).is_some(), "most recent entry must survive");
-        assert!(c.get((0, 1)).is_none(), "oldest entry must have been evicted");
+        assert!(
+            c.get((0, 1)).is_none(),
+            "oldest entry must have been evicted"
+        );
     }
 
     #[test]
@@ -382,8 +437,14 @@ mod tests {
     #[test]
     fn messages_without_a_role_are_rejected() {
         let bad = vec![serde_json::json!({"content": "x"})];
-        assert!(matches!(validate_messages(&bad), Err(TokenizeError::BadMessages(_))));
-        assert!(matches!(validate_messages(&[]), Err(TokenizeError::BadMessages(_))));
+        assert!(matches!(
+            validate_messages(&bad),
+            Err(TokenizeError::BadMessages(_))
+        ));
+        assert!(matches!(
+            validate_messages(&[]),
+            Err(TokenizeError::BadMessages(_))
+        ));
     }
 
     #[test]
@@ -404,18 +465,39 @@ mod real_tokenizer_tests {
     use serde_json::json;
 
     fn shipped() -> ModelTokenizer {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
+        let path =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
         ModelTokenizer::load(&path, 1024).expect("shipped tokenizer loads")
     }
 
     const WORDS: &[&str] = &[
-        "the", "router", " cache", "prefix", "token", "\n", "  ", "GPU", "émigré", "日本語", "<|im_end|>",
-        "123", "!", "?", "don't", " hello", "world\n\n", "{json}", "tab\t",
+        "the",
+        "router",
+        " cache",
+        "prefix",
+        "token",
+        "\n",
+        "  ",
+        "GPU",
+        "émigré",
+        "日本語",
+        "<|im_end|>",
+        "123",
+        "!",
+        "?",
+        "don't",
+        " hello",
+        "world\n\n",
+        "{json}",
+        "tab\t",
     ];
 
     fn random_text(rng: &mut StdRng) -> String {
         let n = rng.random_range(0..30);
-        (0..n).map(|_| WORDS[rng.random_range(0..WORDS.len())]).collect::<Vec<_>>().join(if rng.random_bool(0.5) { " " } else { "" })
+        (0..n)
+            .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+            .collect::<Vec<_>>()
+            .join(if rng.random_bool(0.5) { " " } else { "" })
     }
 
     #[test]
@@ -426,12 +508,21 @@ mod real_tokenizer_tests {
             let n = rng.random_range(1..8);
             let messages: Vec<Value> = (0..n)
                 .map(|i| {
-                    let role = if i == 0 && rng.random_bool(0.5) { "system" } else if i % 2 == 1 { "user" } else { "assistant" };
+                    let role = if i == 0 && rng.random_bool(0.5) {
+                        "system"
+                    } else if i % 2 == 1 {
+                        "user"
+                    } else {
+                        "assistant"
+                    };
                     json!({"role": role, "content": random_text(&mut rng)})
                 })
                 .collect();
             let whole = tok.encode_chat_whole(&messages).unwrap();
-            let (segmented, _) = tok.encode_chat_segmented(&messages).unwrap().expect("ChatML is prefix-stable");
+            let (segmented, _) = tok
+                .encode_chat_segmented(&messages)
+                .unwrap()
+                .expect("ChatML is prefix-stable");
             assert_eq!(segmented, whole, "case {case}: {messages:?}");
         }
         assert!(tok.segmented_enabled());
@@ -440,10 +531,20 @@ mod real_tokenizer_tests {
     #[test]
     fn a_later_turn_reuses_the_cached_segments_of_earlier_turns() {
         let tok = shipped();
-        let system = json!({"role": "system", "content": "You are a meticulous assistant. ".repeat(20)});
-        let turn1 = vec![system.clone(), json!({"role": "user", "content": "first question"})];
+        let system =
+            json!({"role": "system", "content": "You are a meticulous assistant. ".repeat(20)});
+        let turn1 = vec![
+            system.clone(),
+            json!({"role": "user", "content": "first question"}),
+        ];
         let (_, how1) = tok.encode_chat(&turn1).unwrap();
-        assert_eq!(how1, ChatTokenization::Segmented { cached_segments: 0, fresh_segments: 3 });
+        assert_eq!(
+            how1,
+            ChatTokenization::Segmented {
+                cached_segments: 0,
+                fresh_segments: 3
+            }
+        );
         let turn2 = vec![
             system,
             json!({"role": "user", "content": "first question"}),
@@ -452,7 +553,13 @@ mod real_tokenizer_tests {
         ];
         let (tokens, how2) = tok.encode_chat(&turn2).unwrap();
         // system, user 1 and the generation prompt are reused; assistant and user 2 are new.
-        assert_eq!(how2, ChatTokenization::Segmented { cached_segments: 3, fresh_segments: 2 });
+        assert_eq!(
+            how2,
+            ChatTokenization::Segmented {
+                cached_segments: 3,
+                fresh_segments: 2
+            }
+        );
         assert_eq!(tokens, tok.encode_chat_whole(&turn2).unwrap());
     }
 
@@ -461,10 +568,16 @@ mod real_tokenizer_tests {
         let mut tok = shipped();
         // Renders the message count first, so a prefix rendering is never a prefix of the next.
         let mut env = minijinja::Environment::new();
-        env.add_template_owned("chat", "{{ messages|length }}{% for m in messages %}[{{ m.content }}]{% endfor %}".to_string())
-            .unwrap();
+        env.add_template_owned(
+            "chat",
+            "{{ messages|length }}{% for m in messages %}[{{ m.content }}]{% endfor %}".to_string(),
+        )
+        .unwrap();
         tok.template = Some(env);
-        let msgs = vec![json!({"role": "user", "content": "a"}), json!({"role": "user", "content": "b"})];
+        let msgs = vec![
+            json!({"role": "user", "content": "a"}),
+            json!({"role": "user", "content": "b"}),
+        ];
         let (tokens, how) = tok.encode_chat(&msgs).unwrap();
         assert_eq!(how, ChatTokenization::Whole);
         assert_eq!(tokens, tok.encode_chat_whole(&msgs).unwrap());

@@ -13,8 +13,11 @@ use serde_json::{Value, json};
 async fn unknown_model_is_a_404_in_the_openai_error_shape() {
     let fleet = fleet(1, 1, "m").await;
     let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
-    let (status, body, _) =
-        post_json(&format!("{}/v1/completions", router.url()), &json!({"model": "nope", "prompt": "hi"})).await;
+    let (status, body, _) = post_json(
+        &format!("{}/v1/completions", router.url()),
+        &json!({"model": "nope", "prompt": "hi"}),
+    )
+    .await;
     assert_eq!(status, 404);
     assert_eq!(body["error"]["code"], "model_not_found");
     assert_eq!(body["error"]["param"], "model");
@@ -26,25 +29,83 @@ async fn unknown_model_is_a_404_in_the_openai_error_shape() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_oversized_requests_get_400_and_413() {
     let fleet = fleet(1, 1, "m").await;
-    let cfg = kvroute::RouterConfig { max_body_bytes: 4096, ..router_config(&urls(&fleet)) };
+    let cfg = kvroute::RouterConfig {
+        max_body_bytes: 4096,
+        ..router_config(&urls(&fleet))
+    };
     let router = kvroute::serve(cfg).await.unwrap();
     let base = router.url();
     let http = client();
     let cases: Vec<(&str, String, u16, &str)> = vec![
-        ("/v1/completions", "{not json".into(), 400, "invalid_request"),
+        (
+            "/v1/completions",
+            "{not json".into(),
+            400,
+            "invalid_request",
+        ),
         ("/v1/completions", "[1,2]".into(), 400, "invalid_request"),
-        ("/v1/completions", json!({"model": "m"}).to_string(), 400, "missing_field"),
-        ("/v1/completions", json!({"model": 5, "prompt": "x"}).to_string(), 400, "invalid_request"),
-        ("/v1/completions", json!({"model": "m", "prompt": {"a": 1}}).to_string(), 400, "invalid_request"),
-        ("/v1/chat/completions", json!({"model": "m"}).to_string(), 400, "missing_field"),
-        ("/v1/chat/completions", json!({"model": "m", "messages": "hi"}).to_string(), 400, "invalid_request"),
-        ("/v1/chat/completions", json!({"model": "m", "messages": [{"content": "x"}]}).to_string(), 400, "invalid_request"),
-        ("/generate", json!({"input_ids": [1, -2]}).to_string(), 400, "invalid_request"),
-        ("/generate", json!({"sampling_params": {}}).to_string(), 400, "missing_field"),
-        ("/v1/completions", json!({"model": "m", "prompt": "x".repeat(5000)}).to_string(), 413, "body_too_large"),
+        (
+            "/v1/completions",
+            json!({"model": "m"}).to_string(),
+            400,
+            "missing_field",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": 5, "prompt": "x"}).to_string(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "m", "prompt": {"a": 1}}).to_string(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "m"}).to_string(),
+            400,
+            "missing_field",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "m", "messages": "hi"}).to_string(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "m", "messages": [{"content": "x"}]}).to_string(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/generate",
+            json!({"input_ids": [1, -2]}).to_string(),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/generate",
+            json!({"sampling_params": {}}).to_string(),
+            400,
+            "missing_field",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "m", "prompt": "x".repeat(5000)}).to_string(),
+            413,
+            "body_too_large",
+        ),
     ];
     for (path, body, want, code) in cases {
-        let resp = http.post(format!("{base}{path}")).body(body.clone()).send().await.unwrap();
+        let resp = http
+            .post(format!("{base}{path}"))
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
         let status = resp.status().as_u16();
         let got: Value = resp.json().await.unwrap();
         assert_eq!(status, want, "{path} {body:.80} -> {got}");
@@ -62,13 +123,24 @@ async fn a_model_with_no_reachable_worker_answers_503_and_the_router_is_not_read
         ..kvroute::RouterConfig::default()
     };
     let router = kvroute::serve(cfg).await.unwrap();
-    let (status, body, _) =
-        post_json(&format!("{}/v1/completions", router.url()), &json!({"model": "m", "prompt": [1, 2, 3]})).await;
+    let (status, body, _) = post_json(
+        &format!("{}/v1/completions", router.url()),
+        &json!({"model": "m", "prompt": [1, 2, 3]}),
+    )
+    .await;
     assert_eq!(status, 503, "{body}");
     assert_eq!(body["error"]["code"], "no_healthy_worker");
-    let ready = client().get(format!("{}/readyz", router.url())).send().await.unwrap();
+    let ready = client()
+        .get(format!("{}/readyz", router.url()))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(ready.status().as_u16(), 503);
-    let live = client().get(format!("{}/healthz", router.url())).send().await.unwrap();
+    let live = client()
+        .get(format!("{}/healthz", router.url()))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(live.status().as_u16(), 200);
     router.shutdown().await;
 }
@@ -96,7 +168,11 @@ async fn text_and_chat_prompts_are_tokenized_like_the_engine_does() {
     assert_eq!(status, 200, "{resp}");
     assert_eq!(dbg["prompt_tokens"], resp["meta_info"]["prompt_tokens"]);
     // A request without `model` goes to the only model.
-    let (status, resp, _) = post_json(&format!("{base}/v1/completions"), &json!({"prompt": [5, 6, 7], "max_tokens": 1})).await;
+    let (status, resp, _) = post_json(
+        &format!("{base}/v1/completions"),
+        &json!({"prompt": [5, 6, 7], "max_tokens": 1}),
+    )
+    .await;
     assert_eq!(status, 200, "{resp}");
     router.shutdown().await;
     fleet.shutdown().await;
@@ -123,8 +199,17 @@ async fn sse_chunks_reach_the_client_before_the_engine_finishes() {
         .await
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
-    assert_eq!(resp.headers()["x-request-id"], "abc-123", "request id must be propagated");
-    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    assert_eq!(
+        resp.headers()["x-request-id"],
+        "abc-123",
+        "request id must be propagated"
+    );
+    assert!(
+        resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
     let mut stream = resp.bytes_stream();
     let first = stream.next().await.expect("a chunk").unwrap();
     let first_at = started.elapsed();
@@ -165,12 +250,38 @@ async fn a_dead_engine_is_retried_on_the_next_rank_and_then_ejected() {
         )
         .await;
         assert_eq!(status, 200, "request {i}: {body}");
-        assert!(!decision(&headers).contains(&dead_url), "served by the dead engine? {}", decision(&headers));
+        assert!(
+            !decision(&headers).contains(&dead_url),
+            "served by the dead engine? {}",
+            decision(&headers)
+        );
     }
-    let metrics = client().get(format!("{}/metrics", router.url())).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("kvroute_retries_total"), "no retry recorded:\n{metrics}");
-    let workers: Value = client().get(format!("{}/workers", router.url())).send().await.unwrap().json().await.unwrap();
-    let dead = workers["workers"].as_array().unwrap().iter().find(|w| w["url"] == dead_url.as_str()).unwrap();
+    let metrics = client()
+        .get(format!("{}/metrics", router.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("kvroute_retries_total"),
+        "no retry recorded:\n{metrics}"
+    );
+    let workers: Value = client()
+        .get(format!("{}/workers", router.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let dead = workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["url"] == dead_url.as_str())
+        .unwrap();
     assert_eq!(dead["health"], "ejected", "{dead}");
     router.shutdown().await;
     fleet.shutdown().await;
@@ -180,31 +291,65 @@ async fn a_dead_engine_is_retried_on_the_next_rank_and_then_ejected() {
 async fn active_health_checks_take_a_stopped_engine_down_and_a_restarted_one_back() {
     let fleet1 = fleet(1, 1, "m").await;
     let port = fleet1.engines[0].ports().http;
-    let cfg = kvroute::RouterConfig { health_interval_ms: 50, health_timeout_ms: 200, ..router_config(&urls(&fleet1)) };
+    let cfg = kvroute::RouterConfig {
+        health_interval_ms: 50,
+        health_timeout_ms: 200,
+        ..router_config(&urls(&fleet1))
+    };
     let router = kvroute::serve(cfg).await.unwrap();
     let workers_url = format!("{}/workers", router.url());
     let health = || async {
-        let v: Value = client().get(&workers_url).send().await.map_err(|e| e.to_string())?.json().await.map_err(|e| e.to_string())?;
-        Ok::<String, String>(v["workers"][0]["health"].as_str().unwrap_or("?").to_string())
+        let v: Value = client()
+            .get(&workers_url)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?
+            .json()
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<String, String>(
+            v["workers"][0]["health"]
+                .as_str()
+                .unwrap_or("?")
+                .to_string(),
+        )
     };
     fleet1.shutdown().await;
-    wait_until("the stopped engine to be marked down", WAIT_DEADLINE, || async {
-        let h = health().await?;
-        if h == "down" { Ok(()) } else { Err(h) }
-    })
+    wait_until(
+        "the stopped engine to be marked down",
+        WAIT_DEADLINE,
+        || async {
+            let h = health().await?;
+            if h == "down" { Ok(()) } else { Err(h) }
+        },
+    )
     .await;
-    let (status, _, _) =
-        post_json(&format!("{}/v1/completions", router.url()), &json!({"model": "m", "prompt": [1], "max_tokens": 1})).await;
+    let (status, _, _) = post_json(
+        &format!("{}/v1/completions", router.url()),
+        &json!({"model": "m", "prompt": [1], "max_tokens": 1}),
+    )
+    .await;
     assert_eq!(status, 503);
-    let cfg = kvroute_sim::SimConfig { port, served_model_name: "m".into(), ..kvroute_sim::SimConfig::for_tests() };
+    let cfg = kvroute_sim::SimConfig {
+        port,
+        served_model_name: "m".into(),
+        ..kvroute_sim::SimConfig::for_tests()
+    };
     let fleet2 = kvroute_sim::start_fleet(cfg).await.unwrap();
-    wait_until("the restarted engine to be healthy again", WAIT_DEADLINE, || async {
-        let h = health().await?;
-        if h == "healthy" { Ok(()) } else { Err(h) }
-    })
+    wait_until(
+        "the restarted engine to be healthy again",
+        WAIT_DEADLINE,
+        || async {
+            let h = health().await?;
+            if h == "healthy" { Ok(()) } else { Err(h) }
+        },
+    )
     .await;
-    let (status, body, _) =
-        post_json(&format!("{}/v1/completions", router.url()), &json!({"model": "m", "prompt": [1], "max_tokens": 1})).await;
+    let (status, body, _) = post_json(
+        &format!("{}/v1/completions", router.url()),
+        &json!({"model": "m", "prompt": [1], "max_tokens": 1}),
+    )
+    .await;
     assert_eq!(status, 200, "{body}");
     router.shutdown().await;
     fleet2.shutdown().await;
@@ -223,18 +368,40 @@ async fn workers_added_and_removed_through_the_admin_api_are_routed_to_according
     assert_eq!(status, 409, "a duplicate registration must be refused");
     let (status, _, _) = post_json(&format!("{base}/workers"), &json!({"model": "m"})).await;
     assert_eq!(status, 400);
-    let listed: Value = client().get(format!("{base}/workers")).send().await.unwrap().json().await.unwrap();
+    let listed: Value = client()
+        .get(format!("{base}/workers"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(listed["workers"].as_array().unwrap().len(), 2);
     let first_id = listed["workers"][0]["id"].as_u64().unwrap();
-    let resp = client().delete(format!("{base}/workers/{first_id}")).send().await.unwrap();
+    let resp = client()
+        .delete(format!("{base}/workers/{first_id}"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
-    let resp = client().delete(format!("{base}/workers/{first_id}")).send().await.unwrap();
+    let resp = client()
+        .delete(format!("{base}/workers/{first_id}"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status().as_u16(), 404);
     for i in 0..6 {
-        let (status, body, headers) =
-            post_json(&format!("{base}/v1/completions"), &json!({"model": "m", "prompt": [i, 1, 2], "max_tokens": 1})).await;
+        let (status, body, headers) = post_json(
+            &format!("{base}/v1/completions"),
+            &json!({"model": "m", "prompt": [i, 1, 2], "max_tokens": 1}),
+        )
+        .await;
         assert_eq!(status, 200, "{body}");
-        assert!(decision(&headers).contains(&format!("url={};", u[1])), "{}", decision(&headers));
+        assert!(
+            decision(&headers).contains(&format!("url={};", u[1])),
+            "{}",
+            decision(&headers)
+        );
     }
     router.shutdown().await;
     fleet.shutdown().await;
@@ -247,8 +414,20 @@ async fn each_model_is_served_by_its_own_worker_group() {
     let all: Vec<String> = urls(&fleet_a).into_iter().chain(urls(&fleet_b)).collect();
     let router = kvroute::serve(router_config(&all)).await.unwrap();
     let base = router.url();
-    let models: Value = client().get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
-    let mut ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    let models: Value = client()
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
     ids.sort();
     assert_eq!(ids, vec!["alpha", "beta"]);
     for (model, url) in [("alpha", &all[0]), ("beta", &all[1])] {
@@ -259,11 +438,16 @@ async fn each_model_is_served_by_its_own_worker_group() {
             )
             .await;
             assert_eq!(status, 200, "{body}");
-            assert!(decision(&headers).contains(&format!("url={url};")), "{model}: {}", decision(&headers));
+            assert!(
+                decision(&headers).contains(&format!("url={url};")),
+                "{model}: {}",
+                decision(&headers)
+            );
         }
     }
     // Several models and no `model`: the router cannot guess.
-    let (status, body, _) = post_json(&format!("{base}/v1/completions"), &json!({"prompt": [1]})).await;
+    let (status, body, _) =
+        post_json(&format!("{base}/v1/completions"), &json!({"prompt": [1]})).await;
     assert_eq!(status, 400, "{body}");
     router.shutdown().await;
     fleet_a.shutdown().await;
@@ -273,7 +457,10 @@ async fn each_model_is_served_by_its_own_worker_group() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_chosen_dp_rank_is_sent_to_the_engine_and_honoured() {
     let fleet = fleet(1, 4, "m").await;
-    let cfg = kvroute::RouterConfig { policy: PolicyKind::RoundRobin, ..router_config(&urls(&fleet)) };
+    let cfg = kvroute::RouterConfig {
+        policy: PolicyKind::RoundRobin,
+        ..router_config(&urls(&fleet))
+    };
     let router = kvroute::serve(cfg).await.unwrap();
     let mut seen = std::collections::BTreeSet::new();
     for i in 0..8 {
@@ -284,8 +471,20 @@ async fn the_chosen_dp_rank_is_sent_to_the_engine_and_honoured() {
         .await;
         assert_eq!(status, 200, "{body}");
         let d = decision(&headers);
-        let routed: u64 = d.split("dp_rank=").nth(1).unwrap().split(';').next().unwrap().parse().unwrap();
-        assert_eq!(body["meta_info"]["dp_rank"].as_u64(), Some(routed), "engine ran on another rank: {d}");
+        let routed: u64 = d
+            .split("dp_rank=")
+            .nth(1)
+            .unwrap()
+            .split(';')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(
+            body["meta_info"]["dp_rank"].as_u64(),
+            Some(routed),
+            "engine ran on another rank: {d}"
+        );
         seen.insert(routed);
     }
     assert_eq!(seen.len(), 4, "round robin must reach every rank: {seen:?}");
@@ -297,21 +496,39 @@ async fn the_chosen_dp_rank_is_sent_to_the_engine_and_honoured() {
 async fn debug_route_scores_every_rank_without_forwarding() {
     let fleet = fleet(2, 2, "m").await;
     let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
-    let (status, v, _) =
-        post_json(&format!("{}/debug/route", router.url()), &json!({"model": "m", "prompt": "hello there, router"})).await;
+    let (status, v, _) = post_json(
+        &format!("{}/debug/route", router.url()),
+        &json!({"model": "m", "prompt": "hello there, router"}),
+    )
+    .await;
     assert_eq!(status, 200, "{v}");
     let ranks = v["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 4);
     assert_eq!(v["policy"], "cache_aware");
     assert!(ranks.iter().all(|r| r["cost_ms"].as_f64().unwrap() > 0.0));
     let chosen = &v["chosen"];
-    assert!(ranks.iter().any(|r| r["order"] == 0 && r["url"] == chosen["url"] && r["dp_rank"] == chosen["dp_rank"]));
-    let workers: Value = client().get(format!("{}/workers", router.url())).send().await.unwrap().json().await.unwrap();
+    assert!(ranks.iter().any(|r| r["order"] == 0
+        && r["url"] == chosen["url"]
+        && r["dp_rank"] == chosen["dp_rank"]));
+    let workers: Value = client()
+        .get(format!("{}/workers", router.url()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     let dispatched: u64 = workers["workers"]
         .as_array()
         .unwrap()
         .iter()
-        .flat_map(|w| w["ranks"].as_array().unwrap().iter().map(|r| r["dispatched_total"].as_u64().unwrap()))
+        .flat_map(|w| {
+            w["ranks"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["dispatched_total"].as_u64().unwrap())
+        })
         .sum();
     assert_eq!(dispatched, 0, "/debug/route must not forward");
     router.shutdown().await;
@@ -322,10 +539,20 @@ async fn debug_route_scores_every_rank_without_forwarding() {
 async fn metrics_expose_requests_decisions_latency_matches_and_in_flight() {
     let fleet = fleet(1, 1, "m").await;
     let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
-    let (status, _, _) =
-        post_json(&format!("{}/v1/completions", router.url()), &json!({"model": "m", "prompt": "x y z", "max_tokens": 1})).await;
+    let (status, _, _) = post_json(
+        &format!("{}/v1/completions", router.url()),
+        &json!({"model": "m", "prompt": "x y z", "max_tokens": 1}),
+    )
+    .await;
     assert_eq!(status, 200);
-    let text = client().get(format!("{}/metrics", router.url())).send().await.unwrap().text().await.unwrap();
+    let text = client()
+        .get(format!("{}/metrics", router.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     for series in [
         "kvroute_requests_total{route=\"/v1/completions\",status=\"200\"} 1",
         "kvroute_routing_decisions_total{policy=\"cache_aware\"",
@@ -352,7 +579,9 @@ async fn a_client_disconnect_releases_the_ranks_in_flight_slot() {
     let fleet = kvroute_sim::start_fleet(cfg).await.unwrap();
     let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
     let in_flight = |r: &kvroute::Router| -> i64 {
-        r.registry.workers()[0].ranks[0].in_flight.load(std::sync::atomic::Ordering::Relaxed)
+        r.registry.workers()[0].ranks[0]
+            .in_flight
+            .load(std::sync::atomic::Ordering::Relaxed)
     };
     let resp = client()
         .post(format!("{}/v1/completions", router.url()))
@@ -365,10 +594,20 @@ async fn a_client_disconnect_releases_the_ranks_in_flight_slot() {
     assert_eq!(in_flight(&router.router), 1);
     drop(stream);
     let r = router.router.clone();
-    wait_until("in-flight to return to 0 after the client hung up", Duration::from_secs(5), || {
-        let n = in_flight(&r);
-        async move { if n == 0 { Ok(()) } else { Err(format!("in_flight={n}")) } }
-    })
+    wait_until(
+        "in-flight to return to 0 after the client hung up",
+        Duration::from_secs(5),
+        || {
+            let n = in_flight(&r);
+            async move {
+                if n == 0 {
+                    Ok(())
+                } else {
+                    Err(format!("in_flight={n}"))
+                }
+            }
+        },
+    )
     .await;
     router.shutdown().await;
     fleet.shutdown().await;

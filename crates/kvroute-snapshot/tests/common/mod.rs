@@ -40,7 +40,11 @@ pub fn random_snapshot(seed: u64, max_nodes: usize, rank_count: usize) -> IndexS
 }
 
 /// A random valid snapshot with exactly `node_count` nodes.
-pub fn random_snapshot_with_nodes(seed: u64, node_count: usize, rank_count: usize) -> IndexSnapshot {
+pub fn random_snapshot_with_nodes(
+    seed: u64,
+    node_count: usize,
+    rank_count: usize,
+) -> IndexSnapshot {
     let mut rng = SplitMix(seed);
     let ranks: Vec<RankRef> = (0..rank_count)
         .map(|i| RankRef {
@@ -76,18 +80,26 @@ pub fn random_snapshot_with_nodes(seed: u64, node_count: usize, rank_count: usiz
         let copy_parent = parent != NO_PARENT && rng.chance(40);
         let node_ranks: Vec<u32> = if copy_parent {
             let p = parent as usize;
-            let start = if p == 0 { 0 } else { nodes.carrier_end[p - 1] as usize };
+            let start = if p == 0 {
+                0
+            } else {
+                nodes.carrier_end[p - 1] as usize
+            };
             nodes.carrier_rank[start..nodes.carrier_end[p] as usize].to_vec()
         } else {
             let count = rng.below(6) as usize;
-            (0..count).map(|_| rng.below(rank_count as u64) as u32).collect()
+            (0..count)
+                .map(|_| rng.below(rank_count as u64) as u32)
+                .collect()
         };
         let shared_hash = rng.chance(50).then(|| rng.next());
         for rank in node_ranks {
             nodes.carrier_rank.push(rank);
-            nodes
-                .carrier_tiers
-                .push(if rng.chance(85) { 1 } else { rng.below(256) as u8 });
+            nodes.carrier_tiers.push(if rng.chance(85) {
+                1
+            } else {
+                rng.below(256) as u8
+            });
             nodes
                 .carrier_engine_hash
                 .push(shared_hash.unwrap_or_else(|| rng.next()));

@@ -68,7 +68,12 @@ pub fn client() -> reqwest::Client {
 }
 
 pub async fn post_json(url: &str, body: &Value) -> (u16, Value, reqwest::header::HeaderMap) {
-    let resp = client().post(url).json(body).send().await.expect("request sent");
+    let resp = client()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("request sent");
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let body = resp.json::<Value>().await.unwrap_or(Value::Null);

@@ -1,0 +1,104 @@
+//! The scheduler over real HTTP: queueing beyond `--max-running`, least-loaded rank choice
+//! without a hint, and a running slot released when a streaming client goes away.
+
+mod common;
+
+use common::*;
+use kvroute_sim::SimConfig;
+use serde_json::json;
+
+fn slow() -> SimConfig {
+    SimConfig {
+        instant: false,
+        overhead_us: 0,
+        prefill_us_per_token: 0,
+        decode_us_per_token: 50_000,
+        ..SimConfig::for_tests()
+    }
+}
+
+fn spawn_completion(url: String, max_tokens: u32) -> tokio::task::JoinHandle<u16> {
+    tokio::spawn(async move {
+        client()
+            .post(format!("{url}/v1/completions"))
+            .json(&json!({"prompt": "queued", "max_tokens": max_tokens}))
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    })
+}
+
+#[tokio::test]
+async fn requests_beyond_max_running_wait_in_the_queue_then_run() {
+    let fleet = fleet(SimConfig {
+        max_running: 1,
+        ..slow()
+    })
+    .await;
+    let e = &fleet.engines[0];
+    let first = spawn_completion(e.http_url(), 4);
+    let second = spawn_completion(e.http_url(), 1);
+    let stat = wait_until(
+        "one running and one waiting",
+        async || e.engine().load_stat(0),
+        |s| s.num_running_reqs == 1 && s.num_waiting_reqs == 1,
+    )
+    .await;
+    assert_eq!(stat.dp_rank, Some(0));
+    assert_eq!((first.await.unwrap(), second.await.unwrap()), (200, 200));
+    let idle = e.engine().load_stat(0);
+    assert_eq!((idle.num_running_reqs, idle.num_waiting_reqs), (0, 0));
+    fleet.shutdown().await;
+}
+
+#[tokio::test]
+async fn without_a_hint_the_least_loaded_rank_is_chosen() {
+    let fleet = fleet(SimConfig {
+        dp_size: 2,
+        ..slow()
+    })
+    .await;
+    let e = &fleet.engines[0];
+    let busy = spawn_completion(e.http_url(), 6);
+    let stats = wait_until(
+        "one request running on some rank",
+        async || (e.engine().load_stat(0), e.engine().load_stat(1)),
+        |(a, b)| a.num_running_reqs + b.num_running_reqs == 1,
+    )
+    .await;
+    let idle_rank = if stats.0.num_running_reqs == 1 { 1 } else { 0 };
+    let (status, body) = post(
+        e,
+        "/generate",
+        &json!({"input_ids": toks(1, 16), "sampling_params": {"max_new_tokens": 0}}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(body["meta_info"]["dp_rank"], idle_rank, "{body}");
+    assert_eq!(busy.await.unwrap(), 200);
+    fleet.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_streaming_client_that_disconnects_releases_its_running_slot() {
+    let fleet = fleet(slow()).await;
+    let e = &fleet.engines[0];
+    let mut resp = client()
+        .post(format!("{}/v1/completions", e.http_url()))
+        .json(&json!({"prompt": "abandon me", "max_tokens": 200, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let first = resp.chunk().await.unwrap().expect("a first chunk");
+    assert!(first.starts_with(b"data: "));
+    assert_eq!(e.engine().load_stat(0).num_running_reqs, 1);
+    drop(resp);
+    wait_until(
+        "the abandoned stream's slot to be released",
+        async || e.engine().load_stat(0).num_running_reqs,
+        |n| *n == 0,
+    )
+    .await;
+    fleet.shutdown().await;
+}
