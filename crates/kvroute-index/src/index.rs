@@ -9,17 +9,40 @@
 //!   whole prefix lives in one shard: `match_prefix` takes one read lock for the whole walk and a
 //!   store event takes one write lock (per event, never longer), so a reader can never see half of
 //!   a store and never waits behind more than one event.
-//! * **Compact nodes.** Nodes sit in a per-shard slab (`Vec`) addressed by `u32`; the map holds
-//!   only slab indices (`HashTable<u32>`, 4 bytes a bucket). Each node has ONE inline carrier;
-//!   only nodes carried by several ranks (shared prefixes) spill to a per-shard list pool.
+//! * **Compact nodes.** Nodes (40 bytes) sit in a per-shard chunked slab addressed by `u32`;
+//!   the map (module `table`) holds 8-byte slots (tag + slab index) and lets the routing path
+//!   prefetch the slots of upcoming blocks. Each node has ONE inline carrier; only nodes carried
+//!   by several ranks (shared prefixes) spill to a per-shard list pool, stored as parallel
+//!   `words` / `engines` arrays so matching reads 4 bytes per carrier.
 //! * **Carrier = (rank, tiers, engine hash).** The engine hash is stored with the carrier rather
-//!   than recovered from the side maps at export: it costs 8 bytes per carried pair but lets the
-//!   export walk be a single linear pass over each shard's slab under bounded read locks, with no
+//!   than recovered from the side maps at export: it costs 8 bytes per carried pair (the main
+//!   reason the index is above its 40 B/pair memory target, see docs/BENCHMARKS.md) but lets the
+//!   export walk be a linear pass over each shard's slab under bounded read locks, with no
 //!   reverse lookup into per-rank maps (which live with the writer and are not shared at all).
 //! * **Side map per rank** (engine hash -> node ref), writer-private: engines announce parents and
 //!   removals by their own hash, which the router never interprets.
 //! * **One writer, by type.** [`IndexWriter`] is not `Clone` and mutates through `&mut self`;
 //!   [`IndexReader`] is a cheap `Arc` clone. No async, no I/O, no threads.
+//!
+//! Event rules (each covered by a test in `tests/index_behaviour.rs`):
+//! * A `BlockStored` whose parent engine hash the rank never announced (or no longer carries)
+//!   cannot be placed, because its prefix, hence its content hash, is unknown: its blocks are
+//!   dropped and counted in `stored_unknown_parent_blocks`. (Attaching at the root, as one peer
+//!   router does, would invent a prefix and produce false hits.)
+//! * Token count `block_size * n` is the normal case; exactly twice that is read as speculative
+//!   decoding's token pairs `(t_i, t_i+1)` and the first of each pair is hashed; anything else is
+//!   counted in `token_mismatch_events` and skipped. Another block size: `block_size_mismatch_events`.
+//! * Medium: none -> device; an unknown medium on a store is ignored (counted); on a removal,
+//!   none or unknown clears every tier of the carrier (better a missed hit than a false one).
+//! * A rank re-announcing the same content under a new engine hash moves the carrier to the new
+//!   hash; an engine hash re-used for other content drops the old carrier (it could never be
+//!   removed by hash again).
+//! * Removal of an unknown engine hash is counted (`removed_unknown_blocks`), not an error. A
+//!   node with no carriers and no children is pruned, upward. Removal events hold one shard write
+//!   lock per run of blocks in the same shard (bounded by [`MAX_BLOCKS_PER_LOCK`]), so a reader sees
+//!   a removed chain whole or gone.
+//! * Over `max_carried_blocks`, least-recently-matched leaves lose all their carriers until the
+//!   count is at [`EVICT_TARGET_PERCENT`] of the cap (`evicted_carriers`, `eviction_runs`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
@@ -136,6 +159,15 @@ pub struct RankStats {
     pub cursor: Option<RankCursor>,
 }
 
+/// Heap bytes of the shards by structure (see [`IndexReader::memory`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShardMemory {
+    pub node_slab_bytes: u64,
+    pub hash_slot_bytes: u64,
+    pub carrier_list_bytes: u64,
+    pub free_list_bytes: u64,
+}
+
 /// Monotonic event counters (since creation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct IndexCounters {
@@ -226,8 +258,68 @@ struct CarrierList {
     engines: Vec<u64>,
 }
 
+/// Nodes per slab chunk. A shard's slab grows a chunk at a time instead of doubling one `Vec`,
+/// so at most one partly used chunk is wasted per shard: root-based sharding makes shards uneven
+/// (a popular system prompt pulls all its conversations into one shard), and doubling left up to
+/// half of a big shard's slab unused.
+pub const SLAB_CHUNK_NODES: usize = 4096;
+
+/// Chunked node storage indexed by `u32` slab index; chunks never move once allocated.
+#[derive(Default)]
+pub(crate) struct Slab {
+    chunks: Vec<Vec<Node>>,
+    len: usize,
+}
+
+impl Slab {
+    #[inline]
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    fn push(&mut self, node: Node) {
+        if self.len.is_multiple_of(SLAB_CHUNK_NODES) {
+            self.chunks.push(Vec::with_capacity(SLAB_CHUNK_NODES));
+        }
+        if let Some(chunk) = self.chunks.last_mut() {
+            chunk.push(node);
+            self.len += 1;
+        }
+    }
+
+    pub(crate) fn get(&self, i: usize) -> Option<&Node> {
+        self.chunks
+            .get(i / SLAB_CHUNK_NODES)
+            .and_then(|c| c.get(i % SLAB_CHUNK_NODES))
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Node> {
+        self.chunks.iter().flatten()
+    }
+
+    fn capacity_bytes(&self) -> usize {
+        self.chunks.len() * SLAB_CHUNK_NODES * std::mem::size_of::<Node>()
+            + self.chunks.capacity() * std::mem::size_of::<Vec<Node>>()
+    }
+}
+
+impl std::ops::Index<usize> for Slab {
+    type Output = Node;
+    #[inline]
+    fn index(&self, i: usize) -> &Node {
+        &self.chunks[i / SLAB_CHUNK_NODES][i % SLAB_CHUNK_NODES]
+    }
+}
+
+impl std::ops::IndexMut<usize> for Slab {
+    #[inline]
+    fn index_mut(&mut self, i: usize) -> &mut Node {
+        &mut self.chunks[i / SLAB_CHUNK_NODES][i % SLAB_CHUNK_NODES]
+    }
+}
+
 pub(crate) struct Shard {
-    pub(crate) nodes: Vec<Node>,
+    pub(crate) nodes: Slab,
     free: Vec<u32>,
     by_hash: HashSlots,
     lists: Vec<CarrierList>,
@@ -246,7 +338,7 @@ enum CarrierChange {
 impl Shard {
     fn new() -> Self {
         Self {
-            nodes: Vec::new(),
+            nodes: Slab::default(),
             free: Vec::new(),
             by_hash: HashSlots::default(),
             lists: Vec::new(),
@@ -256,7 +348,6 @@ impl Shard {
     }
 
     pub(crate) fn reserve_nodes(&mut self, additional: usize) {
-        self.nodes.reserve(additional);
         let nodes = &self.nodes;
         self.by_hash.reserve(additional, |i| nodes[i as usize].hash);
     }
@@ -753,14 +844,37 @@ impl IndexWriter {
         id
     }
 
+    /// Heap bytes held by the per-rank side maps (engine hash -> node).
+    pub fn side_map_bytes(&self) -> u64 {
+        self.ranks
+            .iter()
+            .flatten()
+            .map(|r| {
+                let buckets = if r.side.capacity() == 0 {
+                    0
+                } else {
+                    (r.side.capacity() * 8 / 7).next_power_of_two()
+                };
+                (buckets * (std::mem::size_of::<SideEntry>() + 1)) as u64
+            })
+            .sum()
+    }
+
     pub fn rank_id(&self, rank_ref: &RankRef) -> Option<RankId> {
         self.by_ref.get(rank_ref).copied()
     }
 
     /// Drops every carrier of `rank` (AllBlocksCleared, publisher reset). Keeps its cursor.
     pub fn clear_rank(&mut self, rank: RankId) {
+        if self.drop_carriers(rank) {
+            self.shared.counters.cleared_ranks.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Drops every carrier of `rank` and empties its side map; false if the rank is unknown.
+    fn drop_carriers(&mut self, rank: RankId) -> bool {
         let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) else {
-            return;
+            return false;
         };
         let mut entries: Vec<SideEntry> = wr.side.drain().collect();
         let stats = wr.stats.clone();
@@ -790,7 +904,7 @@ impl IndexWriter {
             }
         }
         delta.flush(&stats, &self.shared.total_carried);
-        self.shared.counters.cleared_ranks.fetch_add(1, Relaxed);
+        true
     }
 
     /// Clears the rank and forgets it; its id is never handed out again.
@@ -798,8 +912,7 @@ impl IndexWriter {
         if !matches!(self.ranks.get(rank.0 as usize), Some(Some(_))) {
             return;
         }
-        self.clear_rank(rank);
-        self.shared.counters.cleared_ranks.fetch_sub(1, Relaxed);
+        self.drop_carriers(rank);
         if let Some(slot) = self.ranks.get_mut(rank.0 as usize)
             && let Some(wr) = slot.take()
         {
@@ -1352,7 +1465,9 @@ impl IndexReader {
         }
         let mut walk = Walk::new(&shard, clock);
         for (b, batch) in hashes.chunks(MATCH_BATCH_BLOCKS).enumerate() {
-            // Slots of the NEXT batch load while this one is looked up and processed.
+            // Slots of the NEXT batch load while this one is looked up and processed. (Also
+            // prefetching the next batch's nodes through their slots measured slower: the extra
+            // probe costs more than the overlap the batched lookups already get.)
             for &h in hashes
                 .iter()
                 .skip((b + 1) * MATCH_BATCH_BLOCKS)
@@ -1465,6 +1580,24 @@ impl IndexReader {
                 (s.nodes.len() - s.free.len()) as u64
             })
             .sum()
+    }
+
+    /// Heap bytes held by the shards (capacity, not length), by structure. Side maps are
+    /// writer-private: see [`IndexWriter::side_map_bytes`].
+    pub fn memory(&self) -> ShardMemory {
+        let mut m = ShardMemory::default();
+        for s in self.shared.shards.iter() {
+            let s = s.read();
+            m.node_slab_bytes += s.nodes.capacity_bytes() as u64;
+            m.hash_slot_bytes += s.by_hash.allocated_bytes() as u64;
+            m.carrier_list_bytes += (s.lists.capacity() * std::mem::size_of::<CarrierList>()
+                + s.lists
+                    .iter()
+                    .map(|l| l.words.capacity() * 4 + l.engines.capacity() * 8)
+                    .sum::<usize>()) as u64;
+            m.free_list_bytes += ((s.free.capacity() + s.free_lists.capacity()) * 4) as u64;
+        }
+        m
     }
 
     pub fn counters(&self) -> IndexCounters {

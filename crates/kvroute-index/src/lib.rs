@@ -10,6 +10,7 @@ mod table;
 
 pub use index::{
     ApplyReport, IndexConfig, IndexCounters, IndexReader, IndexWriter, PrefixIndex, PrefixMatch,
-    RankId, RankMatch, RankStats, TIER_ALL, TIER_DEVICE, TIER_DISK, TIER_EXTERNAL, TIER_HOST,
+    RankId, RankMatch, RankStats, ShardMemory, TIER_ALL, TIER_DEVICE, TIER_DISK, TIER_EXTERNAL,
+    TIER_HOST,
 };
 pub use snapshot::{RestoreError, RestoreReport, retain_ranks, validate_snapshot};

@@ -319,7 +319,8 @@ impl IndexReader {
                 if start >= end {
                     break;
                 }
-                for (slot, node) in (start..end).zip(&shard.nodes[start..end]) {
+                for slot in start..end {
+                    let node = &shard.nodes[slot];
                     if node.depth == u32::MAX {
                         continue;
                     }

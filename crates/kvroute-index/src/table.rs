@@ -31,6 +31,21 @@ fn idx_of(slot: u64) -> u32 {
     slot as u32
 }
 
+/// Hints the CPU to bring `*p`'s cache line in; never faults, never changes program state.
+#[inline]
+pub(crate) fn prefetch_ptr<T>(p: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_prefetch` is only a hint and `p` is a valid reference.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch(
+            (p as *const T).cast::<i8>(),
+            core::arch::x86_64::_MM_HINT_T0,
+        );
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 #[derive(Default)]
 pub(crate) struct HashSlots {
     slots: Vec<u64>,
@@ -49,21 +64,16 @@ impl HashSlots {
         self.slots.len() - 1
     }
 
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<u64>()
+    }
+
     /// Hints the CPU to load the slot `hash` starts probing at.
     #[inline]
     pub(crate) fn prefetch(&self, hash: u64) {
-        if self.slots.is_empty() {
-            return;
+        if let Some(slot) = self.slots.get(self.home(hash)) {
+            prefetch_ptr(slot);
         }
-        let p = self.slots.as_ptr().wrapping_add(self.home(hash));
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: prefetch is a hint; it never faults, even for an invalid address, and `p`
-        // is in bounds anyway.
-        unsafe {
-            core::arch::x86_64::_mm_prefetch(p as *const i8, core::arch::x86_64::_MM_HINT_T0);
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = p;
     }
 
     /// The slab index stored for `hash`; `hash_at(idx)` yields a stored node's full hash.

@@ -483,3 +483,23 @@ fn long_prompts_match_exactly_across_lookup_batches_with_both_match_paths() {
     );
     assert!(hs.len() >= 100);
 }
+
+#[test]
+fn the_writer_is_send_and_the_reader_is_shareable_across_threads() {
+    fn send<T: Send>() {}
+    fn shareable<T: Send + Sync + Clone>() {}
+    send::<kvroute_index::IndexWriter>();
+    shareable::<kvroute_index::IndexReader>();
+    // Moving the writer to another thread and reading from this one works end to end.
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let t = tokens(80, 2, BS);
+    let h = hashes_of(&t, BS);
+    let id = std::thread::spawn(move || {
+        let a = w.add_rank(rank_ref(0));
+        w.apply_event(a, &stored(&[1, 2], None, t, BS, None));
+        a
+    })
+    .join()
+    .expect("writer thread");
+    assert_eq!(match_of(&r, &h, id), (2, 2));
+}

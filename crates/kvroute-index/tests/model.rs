@@ -318,7 +318,7 @@ fn check_against_model(h: &Harness, model: &Model, qs: &[Vec<u64>]) -> Result<()
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     #[test]
     fn index_matches_agree_with_a_brute_force_model(

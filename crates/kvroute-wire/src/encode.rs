@@ -115,7 +115,7 @@ const NIL: u8 = 0xc0;
 
 /// Declared fields (tag included) of vLLM 0.33's `BlockStored`: over 15, so msgspec writes a
 /// map16 header whatever it omits.
-const VLLM_033_BLOCK_STORED_DECLARED_FIELDS: usize = 15;
+const VLLM_033_BLOCK_STORED_DECLARED_FIELDS: usize = 16;
 /// Declared fields (tag included) of the newer vLLM source's `BlockStored` (map batch).
 const VLLM_MAP_BLOCK_STORED_DECLARED_FIELDS: usize = 12;
 

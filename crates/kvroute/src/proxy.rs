@@ -127,18 +127,23 @@ impl Endpoint {
 pub struct Forward<'a> {
     pub endpoint: Endpoint,
     pub body: serde_json::Map<String, serde_json::Value>,
+    /// The client's bytes, forwarded as they are when the router changed nothing (saves a
+    /// serialization on the hot path); `None` when `body` was rewritten.
+    pub original: Option<bytes::Bytes>,
     pub request_id: &'a str,
     pub plan: &'a RoutePlan,
 }
 
-fn upstream_body(fwd: &Forward<'_>, worker: &Worker, dp_rank: u32) -> Result<Vec<u8>, ApiError> {
+fn upstream_body(fwd: &Forward<'_>, worker: &Worker, dp_rank: u32) -> Result<Bytes, ApiError> {
     // Only DP engines get the field: an engine without DP may reject an unknown field.
     if worker.dp_size > 1 {
         let mut body = fwd.body.clone();
         body.insert("data_parallel_rank".into(), dp_rank.into());
-        serde_json::to_vec(&body)
+        serde_json::to_vec(&body).map(Bytes::from)
+    } else if let Some(original) = &fwd.original {
+        Ok(original.clone())
     } else {
-        serde_json::to_vec(&fwd.body)
+        serde_json::to_vec(&fwd.body).map(Bytes::from)
     }
     .map_err(|e| ApiError::Internal(format!("cannot encode upstream body: {e}")))
 }

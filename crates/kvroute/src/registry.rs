@@ -168,6 +168,9 @@ pub struct Worker {
     pub kv_source: &'static str,
     /// Why the KV plane is not indexing this worker, if it is not.
     pub kv_attach_error: Mutex<Option<String>>,
+    /// False while the worker was registered without reaching it (`URL@model` of an engine that
+    /// was down); the health loop then discovers and attaches its KV events once it answers.
+    pub discovered: std::sync::atomic::AtomicBool,
 }
 
 impl Worker {
@@ -235,6 +238,7 @@ impl Registry {
             health: Mutex::new(HealthState::new(Instant::now())),
             kv_source,
             kv_attach_error: Mutex::new(None),
+            discovered: std::sync::atomic::AtomicBool::new(true),
         });
         inner.workers.insert(worker.id, worker.clone());
         let group = match inner.models.get(model) {
@@ -377,6 +381,89 @@ mod tests {
         assert!(!s.routable(now));
         s.on_event(HealthEvent::CheckOk, now, 3, COOL);
         assert_eq!(s.health, Health::Healthy);
+    }
+
+    #[test]
+    fn every_state_and_event_pair_has_the_documented_transition() {
+        let now = Instant::now();
+        let until = now + COOL;
+        let states = [
+            ("pending", Health::Pending),
+            ("healthy", Health::Healthy),
+            ("ejected", Health::Ejected { until }),
+            ("down", Health::Down),
+        ];
+        // (from, event, expected) with eject_after = 1, evaluated at `now` (cool-down running).
+        let table: &[(&str, HealthEvent, Health)] = &[
+            ("pending", HealthEvent::RequestOk, Health::Healthy),
+            (
+                "pending",
+                HealthEvent::RequestFailed,
+                Health::Ejected { until },
+            ),
+            ("pending", HealthEvent::CheckOk, Health::Healthy),
+            ("pending", HealthEvent::CheckFailed, Health::Down),
+            ("healthy", HealthEvent::RequestOk, Health::Healthy),
+            (
+                "healthy",
+                HealthEvent::RequestFailed,
+                Health::Ejected { until },
+            ),
+            ("healthy", HealthEvent::CheckOk, Health::Healthy),
+            ("healthy", HealthEvent::CheckFailed, Health::Down),
+            ("ejected", HealthEvent::RequestOk, Health::Healthy),
+            (
+                "ejected",
+                HealthEvent::RequestFailed,
+                Health::Ejected { until },
+            ),
+            ("ejected", HealthEvent::CheckOk, Health::Ejected { until }),
+            (
+                "ejected",
+                HealthEvent::CheckFailed,
+                Health::Ejected { until },
+            ),
+            ("down", HealthEvent::RequestOk, Health::Healthy),
+            (
+                "down",
+                HealthEvent::RequestFailed,
+                Health::Ejected { until },
+            ),
+            ("down", HealthEvent::CheckOk, Health::Healthy),
+            ("down", HealthEvent::CheckFailed, Health::Down),
+        ];
+        assert_eq!(table.len(), states.len() * 4, "every pair is listed");
+        for (from, ev, want) in table {
+            let start = states.iter().find(|(n, _)| n == from).unwrap().1;
+            let mut s = HealthState {
+                health: start,
+                consecutive_failures: 0,
+                last_change: now,
+            };
+            s.on_event(*ev, now, 1, COOL);
+            assert_eq!(s.health, *want, "{from} + {ev:?}");
+        }
+        // Once the cool-down is over, an ejected worker's next failure or failed check counts
+        // again instead of being absorbed.
+        let mut s = HealthState {
+            health: Health::Ejected { until },
+            consecutive_failures: 1,
+            last_change: now,
+        };
+        s.on_event(HealthEvent::CheckFailed, until, 1, COOL);
+        assert_eq!(s.health, Health::Down);
+        let mut s = HealthState {
+            health: Health::Ejected { until },
+            consecutive_failures: 1,
+            last_change: now,
+        };
+        s.on_event(HealthEvent::RequestFailed, until, 1, COOL);
+        assert_eq!(
+            s.health,
+            Health::Ejected {
+                until: until + COOL
+            }
+        );
     }
 
     #[test]

@@ -165,6 +165,9 @@ impl Router {
             tokenizer,
             info.kv_source,
         )?;
+        worker
+            .discovered
+            .store(reached, std::sync::atomic::Ordering::Relaxed);
         if reached {
             worker
                 .health
@@ -326,12 +329,33 @@ impl Router {
         }
     }
 
+    /// Discovers and attaches the KV events of a worker that was registered while unreachable.
+    async fn late_discovery(&self, w: &Worker) {
+        match self.kv.discover(&self.http, &w.url).await {
+            Ok(info) => {
+                if info.dp_size != w.dp_size {
+                    tracing::warn!(url = %w.url, registered = w.dp_size, reported = info.dp_size,
+                        "worker reports another dp_size than it was registered with; re-add it to use all ranks");
+                }
+                let attached = self.kv.attach(&w.url, &w.model, info.kv.as_ref()).await;
+                *w.kv_attach_error.lock() = attached.err();
+                w.discovered
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                tracing::info!(url = %w.url, "late discovery of a worker registered while down");
+            }
+            Err(e) => {
+                tracing::debug!(url = %w.url, error = %e, "late discovery failed; will retry")
+            }
+        }
+    }
+
     /// `GET /health` on every worker each `health_interval_ms`, until shutdown.
     pub fn spawn_health_loop(self: &Arc<Self>) {
         let router = self.clone();
         tokio::spawn(async move {
             let period = Duration::from_millis(router.config.health_interval_ms.max(10));
-            let mut ticker = tokio::time::interval(period);
+            // Registration has just contacted every worker, so the first check waits one period.
+            let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
             ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
@@ -357,6 +381,9 @@ impl Router {
                                 HealthEvent::CheckFailed
                             },
                         );
+                        if ok && !w.discovered.load(std::sync::atomic::Ordering::Relaxed) {
+                            router.late_discovery(&w).await;
+                        }
                     }
                 });
                 futures::future::join_all(checks).await;

@@ -26,6 +26,9 @@ use crate::router::{RegisterError, RoutePlan, Router};
 
 /// Longest client-supplied request id propagated as is; longer ones are replaced.
 pub const REQUEST_ID_MAX_BYTES: usize = 128;
+/// Bodies up to this size are prepared (parsed, tokenized) on the async worker; larger ones on
+/// the blocking pool, so tokenizing a huge prompt cannot stall other connections.
+pub const INLINE_PREPARE_MAX_BYTES: usize = 32 * 1024;
 /// Largest admin API body.
 pub const ADMIN_BODY_MAX_BYTES: usize = 64 * 1024;
 
@@ -101,13 +104,21 @@ async fn proxied(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Body
     let rid = request_id(&headers);
     let result = async {
         let bytes = read_body(body, router.config.max_body_bytes).await?;
-        let prepared = prepare(&router, endpoint, &bytes)?;
+        let prepared = if bytes.len() <= INLINE_PREPARE_MAX_BYTES {
+            prepare(&router, endpoint, &bytes)?
+        } else {
+            let (r, b) = (router.clone(), bytes.clone());
+            tokio::task::spawn_blocking(move || prepare(&r, endpoint, &b))
+                .await
+                .map_err(|e| ApiError::Internal(format!("request preparation failed: {e}")))??
+        };
         let plan = router.plan(prepared.group, &prepared.tokens)?;
         router.record_decision(&plan);
         proxy::forward(
             &router,
             Forward {
                 endpoint,
+                original: (!prepared.rewritten).then_some(bytes),
                 body: prepared.body,
                 request_id: &rid,
                 plan: &plan,
@@ -159,6 +170,8 @@ pub struct Prepared {
     pub group: Arc<ModelGroup>,
     pub tokens: Vec<u32>,
     pub body: Map<String, Value>,
+    /// True when `body` differs from the client's bytes (text replaced by token ids).
+    pub rewritten: bool,
 }
 
 fn token_array(v: &Value) -> Option<Vec<u32>> {
@@ -192,6 +205,7 @@ pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prep
     };
     let group = router.resolve_model(model.as_deref())?;
     let tok = group.tokenizer.clone();
+    let mut rewritten = false;
     let tokens = match endpoint {
         Endpoint::Generate => match (body.get("input_ids"), body.get("text")) {
             (Some(ids), _) if !ids.is_null() => match token_array(ids) {
@@ -209,6 +223,7 @@ pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prep
                 Some(t) => {
                     let ids = t.encode_prompt(text).map_err(|e| bad(e.to_string()))?;
                     body.remove("text");
+                    rewritten = true;
                     body.insert(
                         "input_ids".into(),
                         ids.iter().copied().map(Value::from).collect(),
@@ -226,6 +241,7 @@ pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prep
             Some(Value::String(text)) => match &tok {
                 Some(t) => {
                     let ids = t.encode_prompt(text).map_err(|e| bad(e.to_string()))?;
+                    rewritten = true;
                     body.insert(
                         "prompt".into(),
                         ids.iter().copied().map(Value::from).collect(),
@@ -287,6 +303,7 @@ pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prep
         }
     };
     Ok(Prepared {
+        rewritten,
         group,
         tokens,
         body,

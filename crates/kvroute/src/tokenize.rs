@@ -35,8 +35,12 @@ pub const VERIFY_EVERY_NTH_CHAT: u64 = 256;
 pub const MAX_CACHED_SEGMENT_TOKENS: usize = 32_768;
 /// Upper bound on tokens held by one model's segment cache (4 bytes each).
 pub const SEGMENT_CACHE_TOKENS_MAX: usize = 16 * 1024 * 1024;
-/// Messages accepted in one chat request (rendering is quadratic in the message count).
+/// Messages accepted in one chat request.
 pub const MAX_CHAT_MESSAGES: usize = 4_096;
+/// Segmented tokenization renders every message prefix, so its cost is about
+/// `messages x conversation bytes`; above this budget the chat is tokenized whole (linear), so a
+/// long conversation cannot make the router do quadratic work.
+pub const SEGMENTED_RENDER_BUDGET_BYTES: usize = 32 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
@@ -254,7 +258,13 @@ impl ModelTokenizer {
         messages: &[Value],
     ) -> Result<(Vec<u32>, ChatTokenization), TokenizeError> {
         validate_messages(messages)?;
-        if self.segmented_disabled.load(Ordering::Relaxed) {
+        let conversation_bytes: usize = messages
+            .iter()
+            .map(|m| m.get("content").and_then(Value::as_str).map_or(0, str::len) + 16)
+            .sum();
+        if self.segmented_disabled.load(Ordering::Relaxed)
+            || messages.len().saturating_mul(conversation_bytes) > SEGMENTED_RENDER_BUDGET_BYTES
+        {
             return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
         }
         let Some((tokens, how)) = self.encode_chat_segmented(messages)? else {
@@ -578,6 +588,30 @@ mod real_tokenizer_tests {
             json!({"role": "user", "content": "a"}),
             json!({"role": "user", "content": "b"}),
         ];
+        let (tokens, how) = tok.encode_chat(&msgs).unwrap();
+        assert_eq!(how, ChatTokenization::Whole);
+        assert_eq!(tokens, tok.encode_chat_whole(&msgs).unwrap());
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_conversation_over_the_render_budget_is_tokenized_whole() {
+        let path =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
+        let tok = ModelTokenizer::load(&path, 1024).unwrap();
+        // Each message counts as its content + 16 bytes; 1,500 empty messages are 1,500 x 24,000
+        // = 36 MB of prefix rendering, over the budget, while the whole text is only ~30 KB.
+        let msgs: Vec<Value> = (0..1_500)
+            .map(|_| json!({"role": "user", "content": ""}))
+            .collect();
+        const { assert!(1_500 * 1_500 * 16 > SEGMENTED_RENDER_BUDGET_BYTES) };
+        let (_, how) = tok.encode_chat(&msgs[..2]).unwrap();
+        assert!(matches!(how, ChatTokenization::Segmented { .. }));
         let (tokens, how) = tok.encode_chat(&msgs).unwrap();
         assert_eq!(how, ChatTokenization::Whole);
         assert_eq!(tokens, tok.encode_chat_whole(&msgs).unwrap());

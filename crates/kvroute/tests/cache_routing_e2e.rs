@@ -41,6 +41,56 @@ async fn wait_subscribed(base: &str, ranks: usize) {
     .await;
 }
 
+/// Stores `chain` on `engine`'s `rank` until the router's index shows `blocks` of it there.
+///
+/// ZMQ drops batches published before a subscription takes effect (slow joiner), and the plane
+/// notices a lost batch only when a later one arrives. So each attempt first publishes a fresh
+/// one-block sentinel (a new batch, which exposes any gap and triggers replay), then the chain.
+async fn store_until_indexed(
+    base: &str,
+    engine: &kvroute_sim::EngineHandle,
+    rank: u32,
+    chain: &[u32],
+    blocks: u64,
+) {
+    let url = engine.http_url();
+    let block = engine.block_size();
+    let mut attempt = 0u32;
+    wait_until(
+        "the stored chain to reach the router's index",
+        WAIT_DEADLINE,
+        || {
+            attempt += 1;
+            let sentinel: Vec<u32> = (0..block as u32)
+                .map(|t| 60_000 + attempt * 64 + t)
+                .collect();
+            engine.store_chains(rank as usize, &[sentinel]);
+            engine.store_chains(rank as usize, &[chain.to_vec()]);
+            let (base, url, chain) = (base.to_string(), url.clone(), chain.to_vec());
+            async move {
+                let (_, v, _) = post_json(
+                    &format!("{base}/debug/route"),
+                    &json!({"model": "m", "prompt": chain}),
+                )
+                .await;
+                let got = v["ranks"]
+                    .as_array()
+                    .and_then(|r| {
+                        r.iter()
+                            .find(|r| r["url"] == url.as_str() && r["dp_rank"] == rank)
+                    })
+                    .and_then(|r| r["matched_blocks"].as_u64());
+                if got == Some(blocks) {
+                    Ok(())
+                } else {
+                    Err(format!("matched {got:?}: {v}"))
+                }
+            }
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_whose_prefix_is_stored_on_a_rank_is_routed_to_that_rank() {
     let fleet = fleet(2, 2, "m").await;
@@ -51,7 +101,7 @@ async fn a_prompt_whose_prefix_is_stored_on_a_rank_is_routed_to_that_rank() {
     let prompt: Vec<u32> = (0..(block * 6) as u32).map(|t| 1000 + t).collect();
     // Engine 1, DP rank 1 caches the first 5 blocks of the prompt and announces them.
     let target_url = fleet.engines[1].http_url();
-    fleet.engines[1].store_chains(1, &[prompt[..block * 5].to_vec()]);
+    store_until_indexed(&base, &fleet.engines[1], 1, &prompt[..block * 5], 5).await;
     let route_req = json!({"model": "m", "prompt": prompt, "max_tokens": 1});
     let scored = wait_until(
         "the stored prefix to reach the router's index",
@@ -104,7 +154,7 @@ async fn removing_a_worker_drops_its_ranks_from_routing_and_the_index() {
     let block = fleet.engines[0].block_size();
     let prompt: Vec<u32> = (0..(block * 4) as u32).map(|t| 7000 + t).collect();
     let gone_url = fleet.engines[0].http_url();
-    fleet.engines[0].store_chains(0, std::slice::from_ref(&prompt));
+    store_until_indexed(&base, &fleet.engines[0], 0, &prompt, 4).await;
     let req = json!({"model": "m", "prompt": prompt, "max_tokens": 1});
     wait_until(
         "the stored prefix to reach the index",
@@ -143,4 +193,143 @@ async fn removing_a_worker_drops_its_ranks_from_routing_and_the_index() {
     assert_eq!(v["reason"], "cold");
     router.shutdown().await;
     fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_registered_while_down_gets_its_kv_events_once_it_answers() {
+    // Reserve a port, free it, register URL@model there while nothing listens.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let cfg = kvroute::RouterConfig {
+        workers: vec![kvroute::WorkerSpec::parse(&format!("{url}@m")).unwrap()],
+        health_interval_ms: 50,
+        health_timeout_ms: 200,
+        ..router_config(&[])
+    };
+    let router = kvroute::serve(cfg).await.unwrap();
+    let base = router.url();
+    let w = workers(&base).await;
+    let h = w["workers"][0]["health"].as_str().unwrap().to_string();
+    assert!(
+        h == "pending" || h == "down",
+        "an unreachable worker must not be routable: {w}"
+    );
+    let fleet = kvroute_sim::start_fleet(kvroute_sim::SimConfig {
+        port,
+        served_model_name: "m".into(),
+        ..kvroute_sim::SimConfig::for_tests()
+    })
+    .await
+    .unwrap();
+    wait_subscribed(&base, 1).await;
+    let block = fleet.engines[0].block_size();
+    let prompt: Vec<u32> = (0..(block * 3) as u32).map(|t| 300 + t).collect();
+    store_until_indexed(&base, &fleet.engines[0], 0, &prompt, 3).await;
+    let req = json!({"model": "m", "prompt": prompt, "max_tokens": 1});
+    wait_until(
+        "the late-discovered worker's blocks to reach the index",
+        WAIT_DEADLINE,
+        || async {
+            let (_, v, _) = post_json(&format!("{base}/debug/route"), &req).await;
+            if v["ranks"][0]["matched_blocks"] == 3 {
+                Ok(())
+            } else {
+                Err(v.to_string())
+            }
+        },
+    )
+    .await;
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_restarted_on_the_same_ports_is_routed_to_and_indexed_again() {
+    let (http, kv, replay) = (free_port(), free_port(), free_port());
+    let sim = || kvroute_sim::SimConfig {
+        port: http,
+        kv_port_base: kv,
+        replay_port_base: replay,
+        served_model_name: "m".into(),
+        ..kvroute_sim::SimConfig::for_tests()
+    };
+    let fleet1 = kvroute_sim::start_fleet(sim()).await.unwrap();
+    let cfg = kvroute::RouterConfig {
+        health_interval_ms: 50,
+        health_timeout_ms: 200,
+        ..router_config(&urls(&fleet1))
+    };
+    let router = kvroute::serve(cfg).await.unwrap();
+    let base = router.url();
+    wait_subscribed(&base, 1).await;
+    let block = fleet1.engines[0].block_size();
+    let before: Vec<u32> = (0..(block * 2) as u32).map(|t| 500 + t).collect();
+    store_until_indexed(&base, &fleet1.engines[0], 0, &before, 2).await;
+    let matched = |prompt: Vec<u32>| {
+        let base = base.clone();
+        async move {
+            let (_, v, _) = post_json(
+                &format!("{base}/debug/route"),
+                &json!({"model": "m", "prompt": prompt}),
+            )
+            .await;
+            v["ranks"][0]["matched_blocks"]
+                .as_u64()
+                .ok_or_else(|| v.to_string())
+        }
+    };
+    wait_until(
+        "the first incarnation's blocks in the index",
+        WAIT_DEADLINE,
+        || async {
+            match matched(before.clone()).await? {
+                2 => Ok(()),
+                n => Err(format!("matched {n}")),
+            }
+        },
+    )
+    .await;
+    fleet1.shutdown().await;
+    let fleet2 = kvroute_sim::start_fleet(sim()).await.unwrap();
+    let after: Vec<u32> = (0..(block * 3) as u32).map(|t| 900 + t).collect();
+    // The restarted engine publishes from seq 0 again; its first batches may reach the
+    // subscriber before it has reconnected, which the helper's sentinels expose and repair.
+    store_until_indexed(&base, &fleet2.engines[0], 0, &after, 3).await;
+    wait_until(
+        "the restarted engine to be healthy",
+        WAIT_DEADLINE,
+        || async {
+            let w = workers(&base).await;
+            if w["workers"][0]["health"] == "healthy" {
+                Ok(())
+            } else {
+                Err(w.to_string())
+            }
+        },
+    )
+    .await;
+    let (status, body, _) = post_json(
+        &format!("{base}/v1/completions"),
+        &json!({"model": "m", "prompt": after, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some((block * 3) as u64)
+    );
+    router.shutdown().await;
+    fleet2.shutdown().await;
 }

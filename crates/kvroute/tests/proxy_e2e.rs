@@ -612,3 +612,59 @@ async fn a_client_disconnect_releases_the_ranks_in_flight_slot() {
     router.shutdown().await;
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_engine_answers_504_after_the_request_timeout() {
+    let cfg = kvroute_sim::SimConfig {
+        instant: false,
+        overhead_us: 0,
+        prefill_us_per_token: 0,
+        decode_us_per_token: 100_000,
+        served_model_name: "m".into(),
+        ..kvroute_sim::SimConfig::for_tests()
+    };
+    let fleet = kvroute_sim::start_fleet(cfg).await.unwrap();
+    let router_cfg = kvroute::RouterConfig {
+        request_timeout_ms: 200,
+        decision_header: false,
+        ..router_config(&urls(&fleet))
+    };
+    let router = kvroute::serve(router_cfg).await.unwrap();
+    // Non-streaming: headers come only when all 50 tokens (5 s) are decoded.
+    let (status, body, headers) = post_json(
+        &format!("{}/v1/completions", router.url()),
+        &json!({"model": "m", "prompt": [1, 2], "max_tokens": 50}),
+    )
+    .await;
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(body["error"]["code"], "gateway_timeout");
+    assert!(
+        headers.get("x-request-id").is_some(),
+        "a request id is generated when absent"
+    );
+    // A fast request works, and the decision header stays off unless enabled.
+    let (status, _, headers) = post_json(
+        &format!("{}/v1/completions", router.url()),
+        &json!({"model": "m", "prompt": [1, 2], "max_tokens": 0}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-kvroute-decision").is_none());
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_every_rank_is_unreachable_the_client_gets_a_502() {
+    let fleet = fleet(2, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    fleet.shutdown().await;
+    let (status, body, _) = post_json(
+        &format!("{}/v1/completions", router.url()),
+        &json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(body["error"]["code"], "bad_gateway");
+    router.shutdown().await;
+}

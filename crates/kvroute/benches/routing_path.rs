@@ -1,0 +1,110 @@
+//! Criterion benchmark of the per-request routing work, no HTTP: chat tokenization with the
+//! segment cache, and `Router::plan` (hash once, match the model's index, score 8 ranks).
+//!
+//! Run: `cargo bench -p kvroute --bench routing_path`.
+//!
+//! The index is populated for real: an in-process simulated fleet (4 engines x 2 DP ranks)
+//! publishes KV events for stored prefixes, and the router's KV plane consumes them before the
+//! measurement starts.
+
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use serde_json::json;
+
+fn bench(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (fleet, router) = rt.block_on(async {
+        let fleet = kvroute_sim::start_fleet(kvroute_sim::SimConfig {
+            engines: 4,
+            dp_size: 2,
+            served_model_name: "bench".into(),
+            ..kvroute_sim::SimConfig::for_tests()
+        })
+        .await
+        .unwrap();
+        let router = kvroute::serve(kvroute::RouterConfig {
+            workers: fleet
+                .engines
+                .iter()
+                .map(|e| kvroute::WorkerSpec {
+                    url: e.http_url(),
+                    model: None,
+                })
+                .collect(),
+            tokenizer_path: Some(kvroute_sim::config::default_tokenizer_path()),
+            health_interval_ms: 60_000,
+            ..kvroute::RouterConfig::default()
+        })
+        .await
+        .unwrap();
+        (fleet, router)
+    });
+    let r = router.router.clone();
+    let group = r.registry.model("bench").unwrap();
+    let tok = group.tokenizer.clone().unwrap();
+    // A 4-turn chat over a ~1,000-token system prompt.
+    let system = "You are a careful assistant for routing questions. ".repeat(100);
+    let mut messages = vec![json!({"role": "system", "content": system})];
+    for t in 0..4 {
+        messages.push(json!({"role": "user", "content": format!("question {t}: how are prefixes matched across ranks?")}));
+        messages.push(json!({"role": "assistant", "content": format!("answer {t}: by chained block hashes.")}));
+    }
+    messages.push(json!({"role": "user", "content": "and the last one?"}));
+    let (tokens, _) = tok.encode_chat(&messages).unwrap();
+    // Every rank caches a different-length prefix of this prompt, so the match walks deep.
+    let block = fleet.engines[0].block_size();
+    for (i, e) in fleet.engines.iter().enumerate() {
+        for rank in 0..2 {
+            let blocks = (tokens.len() / block) * (i * 2 + rank + 1) / 8;
+            e.store_chains(rank, &[tokens[..blocks * block].to_vec()]);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let plan = r.plan(group.clone(), &tokens).unwrap();
+        if plan
+            .candidates
+            .iter()
+            .filter(|c| c.input.matched_blocks > 0)
+            .count()
+            == 8
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "index never saw all 8 ranks' prefixes"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!(
+        "prompt: {} tokens, {} blocks",
+        tokens.len(),
+        tokens.len() / block
+    );
+    c.bench_function("encode_chat_cached_9_messages", |b| {
+        b.iter(|| tok.encode_chat(&messages).unwrap())
+    });
+    c.bench_function("encode_chat_whole_uncached_9_messages", |b| {
+        b.iter(|| tok.encode_chat_whole(&messages).unwrap())
+    });
+    c.bench_function("plan_cache_aware_8_ranks", |b| {
+        b.iter(|| r.plan(group.clone(), &tokens).unwrap())
+    });
+    rt.block_on(async {
+        router.shutdown().await;
+        fleet.shutdown().await;
+    });
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(30).measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = bench
+}
+criterion_main!(benches);
