@@ -81,7 +81,11 @@ pub const EVICT_TARGET_PERCENT: u64 = 95;
 
 const NONE: u32 = u32::MAX;
 const EMPTY_CARRIER: u32 = u32::MAX;
-const FREE_DEPTH: u32 = u32::MAX;
+/// `Node::parent` of a free slab slot. Never a slab index: see [`MAX_NODES_PER_SHARD`].
+pub(crate) const FREE_PARENT: u32 = u32::MAX - 1;
+/// Slab slots per shard. Node carrier slots encode a list index in 28 bits (see `Node`), and
+/// there are never more lists than nodes; it also keeps [`FREE_PARENT`] out of the index range.
+pub const MAX_NODES_PER_SHARD: u32 = (1 << 28) - 2;
 
 /// Dense id of a registered rank. Never reused within one index's lifetime, so a stale id can
 /// only miss, never alias another rank.
@@ -235,20 +239,41 @@ pub(crate) fn word_tiers(w: u32) -> u8 {
     (w & 0x0f) as u8
 }
 
+/// 32 bytes, two per cache line. No depth is stored (export derives it from parent links) and
+/// the single-carrier word doubles as the list reference, because at 0.6 nodes per carried pair
+/// every 4 node bytes cost 2.4 bytes per pair.
 pub(crate) struct Node {
     pub(crate) hash: u64,
+    /// Engine hash of the inline carrier (unused when the carriers live in a list).
     inline_engine: u64,
-    inline_word: u32,
-    /// Slab index of the parent in the same shard, or [`NONE`] for a chain root.
+    /// [`EMPTY_CARRIER`]; or one carrier [`word`] (tier bits never zero); or, with the tier
+    /// bits zero, `list << 4`: ALL carriers live in the shard's list pool at index `list`.
+    carrier: u32,
+    /// Slab index of the parent in the same shard, [`NONE`] for a chain root, or
+    /// [`FREE_PARENT`] for a free slab slot.
     pub(crate) parent: u32,
     children: u32,
-    /// Blocks from the root (root = 0); [`FREE_DEPTH`] marks a free slab slot.
-    pub(crate) depth: u32,
-    /// Index into the shard's list pool when the node has several carriers (then ALL of them
-    /// live there and the inline slot is unused), else [`NONE`].
-    overflow: u32,
     /// Clock value of the last match or store touching the node; eviction picks the oldest.
     stamp: AtomicU32,
+}
+
+impl Node {
+    #[inline]
+    pub(crate) fn is_free(&self) -> bool {
+        self.parent == FREE_PARENT
+    }
+
+    /// The list pool index when the carriers live in a list.
+    #[inline]
+    fn list(&self) -> Option<usize> {
+        (self.carrier != EMPTY_CARRIER && word_tiers(self.carrier) == 0)
+            .then_some((self.carrier >> 4) as usize)
+    }
+
+    #[inline]
+    fn has_carriers(&self) -> bool {
+        self.carrier != EMPTY_CARRIER
+    }
 }
 
 /// Carriers of a multi-carrier node, as two parallel arrays.
@@ -361,10 +386,10 @@ impl Shard {
     /// The node's carrier words (see [`word`]).
     #[inline]
     pub(crate) fn words<'a>(&'a self, node: &'a Node) -> &'a [u32] {
-        if node.overflow != NONE {
-            &self.lists[node.overflow as usize].words
-        } else if node.inline_word != EMPTY_CARRIER {
-            std::slice::from_ref(&node.inline_word)
+        if let Some(l) = node.list() {
+            &self.lists[l].words
+        } else if node.carrier != EMPTY_CARRIER {
+            std::slice::from_ref(&node.carrier)
         } else {
             &[]
         }
@@ -373,17 +398,28 @@ impl Shard {
     /// The node's carrier words and engine hashes, index-aligned.
     #[inline]
     pub(crate) fn carriers<'a>(&'a self, node: &'a Node) -> (&'a [u32], &'a [u64]) {
-        if node.overflow != NONE {
-            let l = &self.lists[node.overflow as usize];
+        if let Some(l) = node.list() {
+            let l = &self.lists[l];
             (&l.words, &l.engines)
-        } else if node.inline_word != EMPTY_CARRIER {
+        } else if node.carrier != EMPTY_CARRIER {
             (
-                std::slice::from_ref(&node.inline_word),
+                std::slice::from_ref(&node.carrier),
                 std::slice::from_ref(&node.inline_engine),
             )
         } else {
             (&[], &[])
         }
+    }
+
+    /// The engine hash of `rank`'s carrier at slab index `idx`, if it has one.
+    fn carrier_engine(&self, idx: u32, rank: u32) -> Option<u64> {
+        let node = self.nodes.get(idx as usize)?;
+        if node.is_free() {
+            return None;
+        }
+        let (words, engines) = self.carriers(node);
+        let pos = words.iter().position(|&w| word_rank(w) == rank)?;
+        engines.get(pos).copied()
     }
 
     /// Finds or creates the node for `hash` under `parent`; `None` when the slab is full.
@@ -397,19 +433,12 @@ impl Shard {
         if let Some(i) = self.find(hash) {
             return Some(i);
         }
-        let depth = if parent == NONE {
-            0
-        } else {
-            self.nodes[parent as usize].depth + 1
-        };
         let node = Node {
             hash,
             inline_engine: 0,
-            inline_word: EMPTY_CARRIER,
+            carrier: EMPTY_CARRIER,
             parent,
             children: 0,
-            depth,
-            overflow: NONE,
             stamp: AtomicU32::new(clock),
         };
         let idx = if let Some(i) = self.free.pop() {
@@ -441,21 +470,16 @@ impl Shard {
         engine: u64,
     ) -> (CarrierChange, u8, Option<u64>) {
         let node = &mut self.nodes[idx as usize];
-        if node.overflow == NONE {
-            if node.inline_word == EMPTY_CARRIER {
-                node.inline_word = word(rank, tiers);
+        let Some(list_idx) = node.list() else {
+            if node.carrier == EMPTY_CARRIER {
+                node.carrier = word(rank, tiers);
                 node.inline_engine = engine;
                 return (CarrierChange::Added, 0, None);
             }
-            if word_rank(node.inline_word) == rank {
-                return update_carrier(
-                    &mut node.inline_word,
-                    &mut node.inline_engine,
-                    tiers,
-                    engine,
-                );
+            if word_rank(node.carrier) == rank {
+                return update_carrier(&mut node.carrier, &mut node.inline_engine, tiers, engine);
             }
-            let (first_word, first_engine) = (node.inline_word, node.inline_engine);
+            let (first_word, first_engine) = (node.carrier, node.inline_engine);
             let list_idx = match self.free_lists.pop() {
                 Some(l) => l,
                 None => {
@@ -468,12 +492,11 @@ impl Shard {
             list.engines.clear();
             list.words.extend([first_word, word(rank, tiers)]);
             list.engines.extend([first_engine, engine]);
-            node.inline_word = EMPTY_CARRIER;
             node.inline_engine = 0;
-            node.overflow = list_idx;
+            node.carrier = list_idx << 4;
             return (CarrierChange::Added, 0, None);
-        }
-        let list = &mut self.lists[node.overflow as usize];
+        };
+        let list = &mut self.lists[list_idx];
         if let Some(pos) = list.words.iter().position(|&w| word_rank(w) == rank) {
             return update_carrier(&mut list.words[pos], &mut list.engines[pos], tiers, engine);
         }
@@ -493,28 +516,27 @@ impl Shard {
         engine: Option<u64>,
     ) -> Option<(u8, u8, u64)> {
         let node = &mut self.nodes[idx as usize];
-        if node.depth == FREE_DEPTH {
+        if node.is_free() {
             return None;
         }
-        if node.overflow == NONE {
-            if node.inline_word == EMPTY_CARRIER
-                || word_rank(node.inline_word) != rank
+        let Some(list_idx) = node.list() else {
+            if node.carrier == EMPTY_CARRIER
+                || word_rank(node.carrier) != rank
                 || engine.is_some_and(|e| e != node.inline_engine)
             {
                 return None;
             }
-            let before = word_tiers(node.inline_word);
+            let before = word_tiers(node.carrier);
             let after = before & !mask;
             let eng = node.inline_engine;
             if after == 0 {
-                node.inline_word = EMPTY_CARRIER;
+                node.carrier = EMPTY_CARRIER;
                 node.inline_engine = 0;
             } else {
-                node.inline_word = word(rank, after);
+                node.carrier = word(rank, after);
             }
             return Some((before, after, eng));
-        }
-        let list_idx = node.overflow as usize;
+        };
         let list = &mut self.lists[list_idx];
         let pos = list
             .words
@@ -532,9 +554,8 @@ impl Shard {
         list.words.remove(pos);
         list.engines.remove(pos);
         if list.words.len() <= 1 {
-            node.inline_word = list.words.pop().unwrap_or(EMPTY_CARRIER);
+            node.carrier = list.words.pop().unwrap_or(EMPTY_CARRIER);
             node.inline_engine = list.engines.pop().unwrap_or(0);
-            node.overflow = NONE;
             if list.words.capacity() > 8 {
                 *list = CarrierList::default();
             }
@@ -547,19 +568,14 @@ impl Shard {
     fn prune(&mut self, mut idx: u32) {
         loop {
             let node = &self.nodes[idx as usize];
-            if node.depth == FREE_DEPTH
-                || node.children != 0
-                || node.overflow != NONE
-                || node.inline_word != EMPTY_CARRIER
-            {
+            if node.is_free() || node.children != 0 || node.has_carriers() {
                 return;
             }
             let (hash, parent) = (node.hash, node.parent);
             let nodes = &self.nodes;
             self.by_hash.remove(hash, |i| nodes[i as usize].hash);
             let node = &mut self.nodes[idx as usize];
-            node.depth = FREE_DEPTH;
-            node.parent = NONE;
+            node.parent = FREE_PARENT;
             self.free.push(idx);
             if parent == NONE {
                 return;
@@ -637,6 +653,17 @@ impl Shared {
             node_ref >> self.shard_bits,
         )
     }
+
+    /// The engine hash of `rank`'s carrier at `node_ref`: how the writer reads a side map key.
+    /// `held` is the shard whose write guard the caller holds (read through the guard: taking
+    /// its read lock on the same thread would deadlock); any other shard is read-locked briefly.
+    fn engine_at(&self, node_ref: u32, rank: u32, held: Option<(usize, &Shard)>) -> Option<u64> {
+        let (s, idx) = self.split_ref(node_ref);
+        match held {
+            Some((h, shard)) if h == s => shard.carrier_engine(idx, rank),
+            _ => self.shards.get(s)?.read().carrier_engine(idx, rank),
+        }
+    }
 }
 
 /// The single writer. Not `Clone`; every mutation takes `&mut self`.
@@ -648,29 +675,10 @@ pub struct IndexWriter {
 }
 
 struct WriterRank {
-    side: HashTable<SideEntry>,
+    /// Index-only side map: each slot is a packed node ref; the key (the engine hash) is NOT
+    /// stored here but read back through the node's carrier for this rank (see `side_get`).
+    side: HashTable<u32>,
     stats: Arc<RankShared>,
-}
-
-/// Side map entry: engine hash -> packed node ref; 12 bytes so the map stays small.
-#[derive(Clone, Copy)]
-#[repr(C)]
-struct SideEntry {
-    engine: [u32; 2],
-    node_ref: u32,
-}
-
-impl SideEntry {
-    fn new(engine: u64, node_ref: u32) -> Self {
-        Self {
-            engine: [engine as u32, (engine >> 32) as u32],
-            node_ref,
-        }
-    }
-    #[inline]
-    fn engine(&self) -> u64 {
-        u64::from(self.engine[0]) | (u64::from(self.engine[1]) << 32)
-    }
 }
 
 /// Engine hashes need not be uniform (a simulator may count 1, 2, 3): mix before bucketing.
@@ -682,34 +690,53 @@ fn mix_engine(h: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn side_get(side: &HashTable<SideEntry>, engine: u64) -> Option<u32> {
-    side.find(mix_engine(engine), |e| e.engine() == engine)
-        .map(|e| e.node_ref)
+// Side map invariant (what makes an index-only map sound): an entry `r` filed under engine hash
+// `e` exists only while rank's carrier at node `r` holds engine hash `e`, and a node has at most
+// one entry per rank. Every operation that can rehash (`side_put`, `reserve`) runs only while the
+// invariant holds; a carrier whose engine hash changes has its entry removed (by node ref, which
+// needs no key) before the next insert.
+
+/// The node ref filed under `engine`; `engine_of` reads a candidate node's carrier engine hash.
+/// Hashbrown's 7-bit control tags mean a miss almost never reads a node.
+fn side_get(
+    side: &HashTable<u32>,
+    engine: u64,
+    engine_of: impl Fn(u32) -> Option<u64>,
+) -> Option<u32> {
+    side.find(mix_engine(engine), |&r| engine_of(r) == Some(engine))
+        .copied()
 }
 
-/// Inserts or replaces; returns the previous node ref.
-fn side_put(side: &mut HashTable<SideEntry>, engine: u64, node_ref: u32) -> Option<u32> {
+/// Files `node_ref` under `engine` (whose carrier must already hold `engine`); returns the node
+/// ref it replaced.
+fn side_put(
+    side: &mut HashTable<u32>,
+    engine: u64,
+    node_ref: u32,
+    engine_of: impl Fn(u32) -> Option<u64>,
+) -> Option<u32> {
     match side.entry(
         mix_engine(engine),
-        |e| e.engine() == engine,
-        |e| mix_engine(e.engine()),
+        |&r| engine_of(r) == Some(engine),
+        |&r| mix_engine(engine_of(r).unwrap_or(0)),
     ) {
         hashbrown::hash_table::Entry::Occupied(mut o) => {
-            let old = o.get().node_ref;
-            o.get_mut().node_ref = node_ref;
+            let old = *o.get();
+            *o.get_mut() = node_ref;
             Some(old)
         }
         hashbrown::hash_table::Entry::Vacant(v) => {
-            v.insert(SideEntry::new(engine, node_ref));
+            v.insert(node_ref);
             None
         }
     }
 }
 
-fn side_remove_if(side: &mut HashTable<SideEntry>, engine: u64, node_ref: u32) {
-    if let Ok(o) = side.find_entry(mix_engine(engine), |e| {
-        e.engine() == engine && e.node_ref == node_ref
-    }) {
+/// Removes `node_ref`'s entry filed under `engine`. Matching by node ref alone is exact because a
+/// node has at most one entry per rank, and it needs no node read (the carrier may already be
+/// gone or hold a new engine hash).
+fn side_remove_if(side: &mut HashTable<u32>, engine: u64, node_ref: u32) {
+    if let Ok(o) = side.find_entry(mix_engine(engine), |&r| r == node_ref) {
         o.remove();
     }
 }
@@ -787,7 +814,8 @@ impl PrefixIndex {
             cfg,
             shard_shift: 64 - shard_bits,
             shard_bits,
-            max_nodes_per_shard: ((1u64 << (32 - shard_bits)) - 1) as u32,
+            max_nodes_per_shard: (((1u64 << (32 - shard_bits)) - 1) as u32)
+                .min(MAX_NODES_PER_SHARD),
             shards: (0..shard_count)
                 .map(|_| RwLock::new(Shard::new()))
                 .collect(),
@@ -844,7 +872,8 @@ impl IndexWriter {
         id
     }
 
-    /// Heap bytes held by the per-rank side maps (engine hash -> node).
+    /// Heap bytes held by the per-rank side maps (engine hash -> node): buckets of a 4-byte node
+    /// ref plus hashbrown's 1-byte control tag.
     pub fn side_map_bytes(&self) -> u64 {
         self.ranks
             .iter()
@@ -855,7 +884,7 @@ impl IndexWriter {
                 } else {
                     (r.side.capacity() * 8 / 7).next_power_of_two()
                 };
-                (buckets * (std::mem::size_of::<SideEntry>() + 1)) as u64
+                (buckets * (std::mem::size_of::<u32>() + 1)) as u64
             })
             .sum()
     }
@@ -876,25 +905,26 @@ impl IndexWriter {
         let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) else {
             return false;
         };
-        let mut entries: Vec<SideEntry> = wr.side.drain().collect();
+        let mut entries: Vec<u32> = wr.side.drain().collect();
         let stats = wr.stats.clone();
         // Grouped by shard so each shard's write lock is taken a bounded number of times.
-        entries.sort_unstable_by_key(|e| e.node_ref & ((1 << self.shared.shard_bits) - 1));
+        entries.sort_unstable_by_key(|r| r & ((1 << self.shared.shard_bits) - 1));
         let mut delta = Delta::default();
         const CLEAR_CHUNK_BLOCKS: usize = 1024;
         for chunk in entries.chunks(CLEAR_CHUNK_BLOCKS) {
             let mut i = 0;
             while i < chunk.len() {
-                let (shard_idx, _) = self.shared.split_ref(chunk[i].node_ref);
+                let (shard_idx, _) = self.shared.split_ref(chunk[i]);
                 let mut shard = self.shared.shards[shard_idx].write();
                 shard.mutations += 1;
                 while i < chunk.len() {
-                    let (s, idx) = self.shared.split_ref(chunk[i].node_ref);
+                    let (s, idx) = self.shared.split_ref(chunk[i]);
                     if s != shard_idx {
                         break;
                     }
+                    // A node has at most one entry per rank, so no engine hash check is needed.
                     if let Some((before, after, _)) =
-                        shard.clear_carrier(idx, rank.0, TIER_ALL, Some(chunk[i].engine()))
+                        shard.clear_carrier(idx, rank.0, TIER_ALL, None)
                     {
                         delta.record(before, after);
                         shard.prune(idx);
@@ -1010,7 +1040,7 @@ impl IndexWriter {
                 let h0 = chain_hash(seed, &token_ids[..bs], extra_at(&s.extra_keys, 0));
                 (shared.shard_of_root(h0), NONE)
             }
-            Some(p) => match side_get(&wr.side, p.0) {
+            Some(p) => match side_get(&wr.side, p.0, |r| shared.engine_at(r, rank.0, None)) {
                 Some(r) => shared.split_ref(r),
                 None => {
                     c.stored_unknown_parent_blocks.fetch_add(n as u64, Relaxed);
@@ -1020,6 +1050,11 @@ impl IndexWriter {
                 }
             },
         };
+        // Grow the side map BEFORE the shard write lock: a rehash reads every entry's node
+        // (the key lives there), which must not stretch the time readers wait on the lock.
+        wr.side.reserve(n, |&r| {
+            mix_engine(shared.engine_at(r, rank.0, None).unwrap_or(0))
+        });
         let clock = shared.clock.load(Relaxed);
         let mut delta = Delta::default();
         let mut displaced: Vec<(u64, u32)> = Vec::new();
@@ -1031,7 +1066,7 @@ impl IndexWriter {
                 namespace_seed(s.lora_name.as_deref(), s.lora_id)
             } else {
                 match shard.nodes.get(parent_idx as usize) {
-                    Some(p) if p.depth != FREE_DEPTH => p.hash,
+                    Some(p) if !p.is_free() => p.hash,
                     _ => {
                         // Side maps never point at freed nodes; stay safe if that ever breaks.
                         c.stored_unknown_parent_blocks.fetch_add(n as u64, Relaxed);
@@ -1066,8 +1101,10 @@ impl IndexWriter {
                     // Same content, new engine hash: the old hash no longer names this carrier.
                     side_remove_if(&mut wr.side, old, node_ref);
                 }
-                if let Some(prev) = side_put(&mut wr.side, engine.0, node_ref)
-                    && prev != node_ref
+                let held = Some((shard_idx, &*shard));
+                if let Some(prev) = side_put(&mut wr.side, engine.0, node_ref, |r| {
+                    shared.engine_at(r, rank.0, held)
+                }) && prev != node_ref
                 {
                     displaced.push((engine.0, prev));
                 }
@@ -1110,7 +1147,10 @@ impl IndexWriter {
         // reader sees a removal event's chain either whole or gone, never half removed.
         let mut held: Option<(usize, parking_lot::RwLockWriteGuard<'_, Shard>, usize)> = None;
         for engine in &r.block_hashes {
-            let Some(node_ref) = side_get(&wr.side, engine.0) else {
+            let guard = held.as_ref().map(|(s, g, _)| (*s, &**g));
+            let Some(node_ref) = side_get(&wr.side, engine.0, |r| {
+                shared.engine_at(r, rank.0, guard)
+            }) else {
                 unknown += 1;
                 continue;
             };
@@ -1170,7 +1210,7 @@ impl IndexWriter {
             for (s_idx, lock) in shared.shards.iter().enumerate() {
                 let shard = lock.read();
                 for (i, node) in shard.nodes.iter().enumerate() {
-                    if node.depth != FREE_DEPTH
+                    if !node.is_free()
                         && node.children == 0
                         && !shard.words(node).is_empty()
                     {
@@ -1254,9 +1294,23 @@ impl IndexWriter {
         for &(old, node_ref) in displaced {
             side_remove_if(&mut wr.side, old, node_ref);
         }
-        wr.side.reserve(entries.len(), |e| mix_engine(e.engine()));
+        let shared = &self.shared;
+        wr.side.reserve(entries.len(), |&r| {
+            mix_engine(shared.engine_at(r, rank.0, None).unwrap_or(0))
+        });
+        // A node whose carrier changed engine hash during this restore (listed in `displaced`)
+        // may hold a later hash than an entry names; filing it under a stale hash would break
+        // the side map invariant, so those entries are checked against the carrier first.
+        let changed: hashbrown::HashSet<u32> = displaced.iter().map(|&(_, r)| r).collect();
         for &(engine, node_ref) in entries {
-            side_put(&mut wr.side, engine, node_ref);
+            if changed.contains(&node_ref)
+                && shared.engine_at(node_ref, rank.0, None) != Some(engine)
+            {
+                continue;
+            }
+            side_put(&mut wr.side, engine, node_ref, |r| {
+                shared.engine_at(r, rank.0, None)
+            });
         }
     }
 

@@ -105,19 +105,27 @@ struct SlicePeer {
     url: PeerUrl,
 }
 
+/// The client configuration: an explicit API server URL (tests), else in-cluster/kubeconfig.
+/// Shared by the peer source and the engine discovery source ([`crate::engines`]).
+pub(crate) async fn kube_config(
+    api_server_url: Option<&str>,
+) -> Result<kube::Config, PeerSourceError> {
+    match api_server_url {
+        Some(url) => {
+            let uri = url
+                .parse()
+                .map_err(|_| PeerSourceError::InvalidApiServerUrl(url.to_string()))?;
+            Ok(kube::Config::new(uri))
+        }
+        None => Ok(kube::Config::infer().await?),
+    }
+}
+
 /// Builds the client and resolves the namespace to watch.
 pub(crate) async fn kube_client(
     cfg: &KubernetesPeers,
 ) -> Result<(kube::Client, String), PeerSourceError> {
-    let config = match &cfg.api_server_url {
-        Some(url) => {
-            let uri = url
-                .parse()
-                .map_err(|_| PeerSourceError::InvalidApiServerUrl(url.clone()))?;
-            kube::Config::new(uri)
-        }
-        None => kube::Config::infer().await?,
-    };
+    let config = kube_config(cfg.api_server_url.as_deref()).await?;
     let namespace = cfg
         .namespace
         .clone()

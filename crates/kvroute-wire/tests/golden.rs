@@ -400,16 +400,27 @@ fn msgspec_reencodes_our_output_byte_for_byte() {
         };
         cases.push(("LoadStat".to_owned(), encode_load_stat(&stat)));
     }
-    {
-        let mut stdin = child.stdin.take().unwrap();
-        for (enc, payload) in &cases {
-            writeln!(stdin, "{enc} {}", hex(payload)).unwrap();
+    // Written from another thread: replies can be long (a differing payload comes back in
+    // full), and a child blocked on a full stdout pipe would stop reading our stdin.
+    let lines: Vec<String> = cases
+        .iter()
+        .map(|(enc, payload)| format!("{enc} {}\n", hex(payload)))
+        .collect();
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || {
+        for line in lines {
+            stdin.write_all(line.as_bytes())?;
         }
-    }
+        Ok::<(), std::io::Error>(())
+    });
     let replies: Vec<String> = BufReader::new(child.stdout.take().unwrap())
         .lines()
         .map(|l| l.unwrap())
         .collect();
+    writer
+        .join()
+        .expect("stdin writer thread")
+        .expect("write cases to the re-encoder");
     let status = child.wait().unwrap();
     assert!(status.success(), "re-encoder exited with {status}");
     assert_eq!(replies.len(), cases.len(), "one reply per case");

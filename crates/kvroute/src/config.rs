@@ -6,7 +6,7 @@
 //! struct, and the CLI is only a way of filling it.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -16,6 +16,11 @@ use crate::readiness::ReadinessGate;
 
 /// Largest request body accepted by default: generous for long prompts as JSON token arrays.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+/// Largest encoded snapshot served or accepted by default. Sized for the planned fleet: 64 ranks
+/// x 100,000 blocks encode to roughly 100 MB of binary+zstd, JSON is several times that.
+pub const DEFAULT_KV_SNAPSHOT_MAX_BYTES: usize = 1024 * 1024 * 1024;
+/// Largest `--internal-auth-token-file` read; a token is a short secret, not a document.
+pub const INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES: u64 = 4096;
 
 /// Routing policy selected by `--policy`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
@@ -146,6 +151,68 @@ pub struct RouterConfig {
     pub extra_readiness_gates: Vec<Arc<dyn ReadinessGate>>,
     /// Seed for the policies' random choices; `None` seeds from the OS.
     pub rng_seed: Option<u64>,
+    /// Address of the internal (peer) listener; `None` = the main listener's address.
+    pub internal_bind: Option<IpAddr>,
+    /// Port of the internal listener; `None` = main port + 1, or 0 (OS-assigned) when the main
+    /// port is 0, so tests on port 0 never collide.
+    pub internal_port: Option<u16>,
+    /// Contents of `--internal-auth-token-file` (trailing whitespace trimmed). When set, every
+    /// internal request needs `Authorization: Bearer <token>` and the same bytes key the binary
+    /// snapshot's HMAC, so the compact snapshot is authenticated end to end.
+    pub internal_auth_token: Option<Arc<[u8]>>,
+    /// Largest encoded snapshot this replica serves (507 beyond) and its fetch client accepts.
+    pub kv_snapshot_max_bytes: usize,
+    /// Sibling discovery for peer bootstrap; `None` = off.
+    pub peer_source: Option<kvroute_peers::PeerSourceConfig>,
+}
+
+impl RouterConfig {
+    /// Where the internal listener binds (see [`RouterConfig::internal_port`]).
+    pub fn internal_listen(&self) -> SocketAddr {
+        let ip = self.internal_bind.unwrap_or(self.listen.ip());
+        let port = match (self.internal_port, self.listen.port()) {
+            (Some(p), _) => p,
+            (None, 0) => 0,
+            (None, p) => p.saturating_add(1),
+        };
+        SocketAddr::new(ip, port)
+    }
+}
+
+/// Reads an internal auth token file: bounded, trailing whitespace (the newline `echo` and
+/// editors add) trimmed, and long enough to key the snapshot HMAC.
+pub fn read_internal_auth_token(path: &std::path::Path) -> Result<Arc<[u8]>, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path)
+        .map_err(|e| format!("cannot open --internal-auth-token-file {}: {e}", path.display()))?;
+    let mut raw = Vec::new();
+    file.take(INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES + 1)
+        .read_to_end(&mut raw)
+        .map_err(|e| format!("cannot read --internal-auth-token-file {}: {e}", path.display()))?;
+    if raw.len() as u64 > INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES {
+        return Err(format!(
+            "--internal-auth-token-file is larger than {INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES} bytes"
+        ));
+    }
+    let end = raw
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(0, |i| i + 1);
+    raw.truncate(end);
+    if raw.len() < kvroute_snapshot::limits::MIN_MAC_KEY_BYTES {
+        return Err(format!(
+            "--internal-auth-token-file holds {} bytes; at least {} are needed (it also keys the snapshot HMAC)",
+            raw.len(),
+            kvroute_snapshot::limits::MIN_MAC_KEY_BYTES
+        ));
+    }
+    if raw.iter().any(|b| !b.is_ascii_graphic()) {
+        return Err(
+            "--internal-auth-token-file must hold printable ASCII without spaces (it is sent as a bearer token)"
+                .into(),
+        );
+    }
+    Ok(Arc::from(raw))
 }
 
 impl Default for RouterConfig {
@@ -170,6 +237,11 @@ impl Default for RouterConfig {
             tokenizer_cache_entries_max: 65_536,
             extra_readiness_gates: Vec::new(),
             rng_seed: None,
+            internal_bind: None,
+            internal_port: None,
+            internal_auth_token: None,
+            kv_snapshot_max_bytes: DEFAULT_KV_SNAPSHOT_MAX_BYTES,
+            peer_source: None,
         }
     }
 }
@@ -292,6 +364,21 @@ pub struct ServeArgs {
     pub eject_after_failures: u32,
     #[arg(long, env = "KVROUTE_EJECT_COOLDOWN_MS", default_value_t = 10_000)]
     pub eject_cooldown_ms: u64,
+    /// Port of the internal listener (`/internal/*`, peer traffic); default `--port` + 1.
+    #[arg(long, env = "KVROUTE_INTERNAL_PORT")]
+    pub internal_port: Option<u16>,
+    /// Bind address of the internal listener; default `--host`.
+    #[arg(long, env = "KVROUTE_INTERNAL_BIND")]
+    pub internal_bind: Option<IpAddr>,
+    /// File holding the shared internal token: required as a bearer token on `/internal/*` and
+    /// used as the HMAC key of the binary snapshot (at least 16 printable bytes).
+    #[arg(long, env = "KVROUTE_INTERNAL_AUTH_TOKEN_FILE")]
+    pub internal_auth_token_file: Option<PathBuf>,
+    /// Largest encoded snapshot served (507 beyond) or fetched from a sibling.
+    #[arg(long, env = "KVROUTE_KV_SNAPSHOT_MAX_BYTES", default_value_t = DEFAULT_KV_SNAPSHOT_MAX_BYTES)]
+    pub kv_snapshot_max_bytes: usize,
+    #[command(flatten)]
+    pub peers: kvroute_peers::PeerDiscoveryArgs,
 }
 
 impl ServeArgs {
@@ -315,6 +402,15 @@ impl ServeArgs {
         if self.temperature < 0.0 || !self.temperature.is_finite() {
             return Err("--temperature must be a finite number >= 0".into());
         }
+        let internal_auth_token = self
+            .internal_auth_token_file
+            .as_deref()
+            .map(read_internal_auth_token)
+            .transpose()?;
+        let peer_source = self
+            .peers
+            .to_config()
+            .map_err(|e| format!("peer discovery: {e}"))?;
         Ok(RouterConfig {
             listen,
             workers,
@@ -341,6 +437,11 @@ impl ServeArgs {
             health_timeout_ms: self.health_timeout_ms,
             eject_after_failures: self.eject_after_failures,
             eject_cooldown_ms: self.eject_cooldown_ms,
+            internal_bind: self.internal_bind,
+            internal_port: self.internal_port,
+            internal_auth_token,
+            kv_snapshot_max_bytes: self.kv_snapshot_max_bytes,
+            peer_source,
             ..RouterConfig::default()
         })
     }
@@ -378,5 +479,31 @@ mod tests {
         assert_eq!(cfg.workers.len(), 2);
         assert_eq!(cfg.policy, PolicyKind::RoundRobin);
         assert_eq!(cfg.model_tokenizers["m"], PathBuf::from("/tmp/t.json"));
+        assert_eq!(cfg.internal_listen().port(), 30001);
+    }
+
+    #[test]
+    fn internal_listener_defaults_to_main_port_plus_one_or_os_assigned() {
+        let mut cfg = RouterConfig::default();
+        assert_eq!(cfg.internal_listen().port(), 0);
+        cfg.listen = "0.0.0.0:8080".parse().unwrap();
+        assert_eq!(cfg.internal_listen(), "0.0.0.0:8081".parse().unwrap());
+        cfg.internal_bind = Some("127.0.0.1".parse().unwrap());
+        cfg.internal_port = Some(9000);
+        assert_eq!(cfg.internal_listen(), "127.0.0.1:9000".parse().unwrap());
+    }
+
+    #[test]
+    fn token_file_is_trimmed_and_a_short_token_is_refused() {
+        let dir = std::env::temp_dir().join(format!("kvroute-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good");
+        std::fs::write(&good, "0123456789abcdef-token\n").unwrap();
+        assert_eq!(&*read_internal_auth_token(&good).unwrap(), b"0123456789abcdef-token");
+        let short = dir.join("short");
+        std::fs::write(&short, "short\n").unwrap();
+        assert!(read_internal_auth_token(&short).unwrap_err().contains("at least 16"));
+        assert!(read_internal_auth_token(&dir.join("missing")).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -12,14 +12,17 @@
 pub mod config;
 pub mod demo;
 pub mod error;
+pub mod internal;
 pub mod kv;
 pub mod metrics;
+pub mod peer_fetch;
 pub mod policy;
 pub mod proxy;
 pub mod readiness;
 pub mod registry;
 pub mod router;
 pub mod server;
+pub mod snapshot_producer;
 pub mod tokenize;
 
 use std::net::SocketAddr;

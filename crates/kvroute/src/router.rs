@@ -32,6 +32,11 @@ pub struct Router {
     pub http: reqwest::Client,
     pub tokenizers: TokenizerSet,
     pub shutdown: CancellationToken,
+    /// Siblings found by peer discovery (empty and never synced when discovery is off); the
+    /// bootstrap consumer reads it.
+    pub peers: kvroute_peers::PeerRegistry,
+    /// Producer of `GET /internal/kv_snapshot`.
+    pub snapshots: Arc<crate::snapshot_producer::SnapshotProducer>,
 }
 
 /// One routable rank of the request's model.
@@ -90,7 +95,17 @@ impl Router {
             .connect_timeout(Duration::from_millis(config.health_timeout_ms.max(100)))
             .build()
             .map_err(|e| e.to_string())?;
+        let peers = kvroute_peers::PeerRegistry::with_metrics(&prom).map_err(|e| e.to_string())?;
+        let snapshot_metrics =
+            crate::snapshot_producer::SnapshotMetrics::new(&prom).map_err(|e| e.to_string())?;
+        let snapshots = Arc::new(crate::snapshot_producer::SnapshotProducer::new(
+            snapshot_metrics,
+            config.internal_auth_token.clone(),
+            config.kv_snapshot_max_bytes,
+        ));
         Ok(Router {
+            peers,
+            snapshots,
             kv: KvBridge::new(config.kv_defaults.clone(), &prom).map_err(|e| e.to_string())?,
             policy: Policy::new(config.policy, config.weights, config.rng_seed),
             registry: Registry::default(),

@@ -56,12 +56,18 @@ impl ReadinessGate for HealthyWorkerGate {
     }
 }
 
-pub fn app(router: Arc<Router>) -> AxumRouter {
+/// The built-in gates followed by the configured extra ones; shared by `/readyz` and the
+/// internal listener's `producer_ready`.
+pub fn readiness_gates(router: &Arc<Router>) -> Arc<Vec<Arc<dyn ReadinessGate>>> {
     let mut gates: Vec<Arc<dyn ReadinessGate>> = vec![Arc::new(HealthyWorkerGate(router.clone()))];
     gates.extend(router.config.extra_readiness_gates.iter().cloned());
+    Arc::new(gates)
+}
+
+pub fn app(router: Arc<Router>) -> AxumRouter {
     let state = AppState {
+        gates: readiness_gates(&router),
         router,
-        gates: Arc::new(gates),
     };
     AxumRouter::new()
         .route("/v1/completions", post(completions))

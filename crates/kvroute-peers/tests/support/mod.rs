@@ -1,12 +1,15 @@
-//! Test support: a fake Kubernetes API server for EndpointSlices, and condition waiting.
+//! Test support: a fake Kubernetes API server for EndpointSlices and Pods, and condition
+//! waiting.
 //!
 //! NO REAL API SERVER IS USED. None can run on the project's machines (no kube-apiserver,
 //! k3s or kind in Debian, PyPI, npm or crates.io usable offline; envtest downloads
 //! binaries), so the Kubernetes source is tested against this in-process fake on 127.0.0.1,
 //! driven by the real kube-rs client and watcher. The fake implements the parts of the
 //! list/watch protocol the watcher relies on, as the real server behaves:
-//! - `GET .../namespaces/{ns}/endpointslices` returns an `EndpointSliceList` whose
-//!   `metadata.resourceVersion` is the store's current version;
+//! - `GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices` and
+//!   `GET /api/v1/namespaces/{ns}/pods` return an `EndpointSliceList` / `PodList` whose
+//!   `metadata.resourceVersion` is the store's current version (one version counter for all
+//!   kinds, as etcd has);
 //! - `?watch=true&resourceVersion=N` streams newline-delimited
 //!   `{"type":"ADDED|MODIFIED|DELETED|BOOKMARK","object":...}` for every change with a
 //!   version above N, first from history, then live;
@@ -18,6 +21,8 @@
 //!   which a client answers by re-watching from its last version without relisting;
 //! - `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-joined) filters list and watch.
 //!
+//! Objects are stored as the JSON the client would receive; the fake does not run any
+//! controller (no kubelet: a test sets a pod's phase, IP and Ready condition itself).
 //! Pagination is not implemented: the list always returns everything with no `continue`,
 //! which is a valid server answer for the small sets used here.
 
@@ -34,7 +39,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use parking_lot::Mutex;
@@ -44,10 +49,49 @@ use tokio::sync::broadcast;
 /// Live events buffered per open watch before a slow test client is cut off.
 const WATCH_BROADCAST_CAPACITY_EVENTS: usize = 1024;
 
+/// The resource kinds the fake serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ResourceKind {
+    EndpointSlice,
+    Pod,
+}
+
+impl ResourceKind {
+    fn from_kind(kind: &str) -> Self {
+        match kind {
+            "EndpointSlice" => Self::EndpointSlice,
+            "Pod" => Self::Pod,
+            other => panic!("the fake API server does not serve {other}"),
+        }
+    }
+
+    fn kind(self) -> &'static str {
+        match self {
+            Self::EndpointSlice => "EndpointSlice",
+            Self::Pod => "Pod",
+        }
+    }
+
+    fn api_version(self) -> &'static str {
+        match self {
+            Self::EndpointSlice => "discovery.k8s.io/v1",
+            Self::Pod => "v1",
+        }
+    }
+
+    fn plural(self) -> &'static str {
+        match self {
+            Self::EndpointSlice => "endpointslices.discovery.k8s.io",
+            Self::Pod => "pods",
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 enum WatchMsg {
     Event {
         rv: u64,
+        resource: ResourceKind,
         namespace: String,
         kind: &'static str,
         object: Value,
@@ -68,9 +112,9 @@ pub enum RequestKind {
 #[derive(Default)]
 struct Store {
     rv: u64,
-    /// (namespace, name) -> object.
-    objects: BTreeMap<(String, String), Value>,
-    history: Vec<(u64, String, &'static str, Value)>,
+    /// (kind, namespace, name) -> object.
+    objects: BTreeMap<(ResourceKind, String, String), Value>,
+    history: Vec<(u64, ResourceKind, String, &'static str, Value)>,
     /// Watches starting below this version get 410 Gone (their history is gone).
     compacted_through: u64,
     requests: Vec<(RequestKind, String)>,
@@ -117,8 +161,9 @@ impl FakeApiServer {
         let app = Router::new()
             .route(
                 "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-                get(list_or_watch),
+                get(list_or_watch_endpointslices),
             )
+            .route("/api/v1/namespaces/{ns}/pods", get(list_or_watch_pods))
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -132,24 +177,34 @@ impl FakeApiServer {
         }
     }
 
-    /// Creates or replaces a slice and notifies open watches (ADDED or MODIFIED).
-    pub fn apply(&self, slice: &EndpointSlice) {
-        self.apply_inner(slice, true);
+    /// Creates or replaces an object (slice or pod) and notifies open watches (ADDED or
+    /// MODIFIED).
+    pub fn apply<K: FakeObject>(&self, object: &K) {
+        self.apply_inner(object, true);
     }
 
     /// Deletes a slice and notifies open watches (DELETED).
     pub fn delete(&self, namespace: &str, name: &str) {
-        self.delete_inner(namespace, name, true);
+        self.delete_inner(ResourceKind::EndpointSlice, namespace, name, true);
+    }
+
+    /// Deletes a pod and notifies open watches (DELETED).
+    pub fn delete_pod(&self, namespace: &str, name: &str) {
+        self.delete_inner(ResourceKind::Pod, namespace, name, true);
     }
 
     /// Changes the store while no watch hears of it: the events a client misses while its
     /// watch is down. Pair with [`Self::compact`] so they cannot be replayed either.
-    pub fn apply_unheard(&self, slice: &EndpointSlice) {
-        self.apply_inner(slice, false);
+    pub fn apply_unheard<K: FakeObject>(&self, object: &K) {
+        self.apply_inner(object, false);
     }
 
     pub fn delete_unheard(&self, namespace: &str, name: &str) {
-        self.delete_inner(namespace, name, false);
+        self.delete_inner(ResourceKind::EndpointSlice, namespace, name, false);
+    }
+
+    pub fn delete_pod_unheard(&self, namespace: &str, name: &str) {
+        self.delete_inner(ResourceKind::Pod, namespace, name, false);
     }
 
     /// Forgets history up to the current version (etcd compaction).
@@ -195,8 +250,11 @@ impl FakeApiServer {
         self.shared.live.receiver_count()
     }
 
-    fn apply_inner(&self, slice: &EndpointSlice, notify: bool) {
-        let mut object = serde_json::to_value(slice).unwrap();
+    fn apply_inner<K: FakeObject>(&self, object: &K, notify: bool) {
+        let resource = ResourceKind::from_kind(K::KIND);
+        let mut object = serde_json::to_value(object).unwrap();
+        object["kind"] = json!(resource.kind());
+        object["apiVersion"] = json!(resource.api_version());
         let namespace = object["metadata"]["namespace"]
             .as_str()
             .unwrap_or("default")
@@ -207,7 +265,7 @@ impl FakeApiServer {
         let rv = store.rv;
         object["metadata"]["namespace"] = json!(namespace);
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
-        let key = (namespace.clone(), name);
+        let key = (resource, namespace.clone(), name);
         let kind = if store.objects.contains_key(&key) {
             "MODIFIED"
         } else {
@@ -216,10 +274,11 @@ impl FakeApiServer {
         store.objects.insert(key, object.clone());
         store
             .history
-            .push((rv, namespace.clone(), kind, object.clone()));
+            .push((rv, resource, namespace.clone(), kind, object.clone()));
         if notify {
             let _ = self.shared.live.send(WatchMsg::Event {
                 rv,
+                resource,
                 namespace,
                 kind,
                 object,
@@ -227,9 +286,9 @@ impl FakeApiServer {
         }
     }
 
-    fn delete_inner(&self, namespace: &str, name: &str, notify: bool) {
+    fn delete_inner(&self, resource: ResourceKind, namespace: &str, name: &str, notify: bool) {
         let mut store = self.shared.store.lock();
-        let key = (namespace.to_string(), name.to_string());
+        let key = (resource, namespace.to_string(), name.to_string());
         let Some(mut object) = store.objects.remove(&key) else {
             return;
         };
@@ -238,10 +297,11 @@ impl FakeApiServer {
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
         store
             .history
-            .push((rv, namespace.to_string(), "DELETED", object.clone()));
+            .push((rv, resource, namespace.to_string(), "DELETED", object.clone()));
         if notify {
             let _ = self.shared.live.send(WatchMsg::Event {
                 rv,
+                resource,
                 namespace: namespace.to_string(),
                 kind: "DELETED",
                 object,
@@ -250,10 +310,34 @@ impl FakeApiServer {
     }
 }
 
-async fn list_or_watch(
+/// Objects the fake can store: the k8s-openapi types it serves.
+pub trait FakeObject: serde::Serialize + k8s_openapi::Resource {}
+impl FakeObject for EndpointSlice {}
+impl FakeObject for Pod {}
+
+async fn list_or_watch_endpointslices(
     State(shared): State<Arc<Shared>>,
     Path(namespace): Path<String>,
     Query(q): Query<ListWatchQuery>,
+    uri: axum::http::Uri,
+) -> Response {
+    list_or_watch(shared, ResourceKind::EndpointSlice, namespace, q, uri)
+}
+
+async fn list_or_watch_pods(
+    State(shared): State<Arc<Shared>>,
+    Path(namespace): Path<String>,
+    Query(q): Query<ListWatchQuery>,
+    uri: axum::http::Uri,
+) -> Response {
+    list_or_watch(shared, ResourceKind::Pod, namespace, q, uri)
+}
+
+fn list_or_watch(
+    shared: Arc<Shared>,
+    resource: ResourceKind,
+    namespace: String,
+    q: ListWatchQuery,
     uri: axum::http::Uri,
 ) -> Response {
     let selector = match q.label_selector.as_deref().map(Selector::parse).transpose() {
@@ -271,8 +355,9 @@ async fn list_or_watch(
         .requests
         .push((kind, uri.path_and_query().unwrap().to_string()));
     if store.forbidden {
+        let plural = resource.plural();
         let msg = format!(
-            "endpointslices.discovery.k8s.io is forbidden: cannot list resource \"endpointslices\" in namespace \"{namespace}\""
+            "{plural} is forbidden: cannot list resource \"{plural}\" in namespace \"{namespace}\""
         );
         return status_response(StatusCode::FORBIDDEN, "Forbidden", &msg);
     }
@@ -280,12 +365,14 @@ async fn list_or_watch(
         let items: Vec<Value> = store
             .objects
             .iter()
-            .filter(|((ns, _), obj)| *ns == namespace && selector.matches(obj))
+            .filter(|((r, ns, _), obj)| {
+                *r == resource && *ns == namespace && selector.matches(obj)
+            })
             .map(|(_, obj)| obj.clone())
             .collect();
         let body = json!({
-            "kind": "EndpointSliceList",
-            "apiVersion": "discovery.k8s.io/v1",
+            "kind": format!("{}List", resource.kind()),
+            "apiVersion": resource.api_version(),
             "metadata": {"resourceVersion": store.rv.to_string()},
             "items": items,
         });
@@ -314,15 +401,15 @@ async fn list_or_watch(
     match from_rv {
         Some(rv) if expired => backlog.push_back(expired_line(rv, store.compacted_through)),
         Some(from) => {
-            for (rv, ns, kind, obj) in &store.history {
-                if *rv > from && *ns == namespace && selector.matches(obj) {
+            for (rv, r, ns, kind, obj) in &store.history {
+                if *rv > from && *r == resource && *ns == namespace && selector.matches(obj) {
                     backlog.push_back(event_line(kind, obj));
                 }
             }
         }
         None => {
-            for ((ns, _), obj) in &store.objects {
-                if *ns == namespace && selector.matches(obj) {
+            for ((r, ns, _), obj) in &store.objects {
+                if *r == resource && *ns == namespace && selector.matches(obj) {
                     backlog.push_back(event_line("ADDED", obj));
                 }
             }
@@ -335,6 +422,7 @@ async fn list_or_watch(
     let state = WatchStream {
         backlog,
         live,
+        resource,
         namespace,
         selector,
         last_rv,
@@ -350,6 +438,7 @@ async fn list_or_watch(
 struct WatchStream {
     backlog: VecDeque<String>,
     live: broadcast::Receiver<WatchMsg>,
+    resource: ResourceKind,
     namespace: String,
     selector: Selector,
     last_rv: u64,
@@ -368,11 +457,16 @@ async fn next_watch_line(mut s: WatchStream) -> Option<(Result<String, Infallibl
         match s.live.recv().await {
             Ok(WatchMsg::Event {
                 rv,
+                resource,
                 namespace,
                 kind,
                 object,
             }) => {
-                if rv <= s.last_rv || namespace != s.namespace || !s.selector.matches(&object) {
+                if rv <= s.last_rv
+                    || resource != s.resource
+                    || namespace != s.namespace
+                    || !s.selector.matches(&object)
+                {
                     continue;
                 }
                 s.last_rv = rv;
@@ -383,8 +477,8 @@ async fn next_watch_line(mut s: WatchStream) -> Option<(Result<String, Infallibl
                 let line = json!({
                     "type": "BOOKMARK",
                     "object": {
-                        "kind": "EndpointSlice",
-                        "apiVersion": "discovery.k8s.io/v1",
+                        "kind": s.resource.kind(),
+                        "apiVersion": s.resource.api_version(),
                         "metadata": {"resourceVersion": rv.to_string()},
                     }
                 });
