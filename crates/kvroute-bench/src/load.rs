@@ -242,6 +242,35 @@ struct Shared {
     deadline: Instant,
     /// Open loop: requests due after this are not sent (the schedule's last instant).
     schedule_total: u64,
+    /// Open loop: request numbers released by the pacer thread when they fall due.
+    released: Option<tokio::sync::Mutex<tokio::sync::mpsc::Receiver<u64>>>,
+}
+
+/// The open loop's clock. It runs on its own OS thread with `std::thread::sleep` (a
+/// high-resolution timer) because tokio's timer wheel has 1 ms granularity: waking up to 1 ms
+/// late would be charged to the request as latency, swamping the 100 us effects being measured.
+/// The channel is bounded; if every connection is busy the pacer blocks, and the delay is still
+/// charged to the requests because their latency counts from the computed due time.
+fn pacer(
+    start: Instant,
+    rate_per_s: f64,
+    total: u64,
+    stop_at: Instant,
+    tx: tokio::sync::mpsc::Sender<u64>,
+) {
+    for i in 0..total {
+        let due = start + Duration::from_secs_f64(i as f64 / rate_per_s);
+        let now = Instant::now();
+        if now > stop_at {
+            return;
+        }
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+        if tx.blocking_send(i).is_err() {
+            return;
+        }
+    }
 }
 
 async fn worker(shared: Arc<Shared>, mut sender: Sender) -> WorkerResult {
@@ -250,22 +279,21 @@ async fn worker(shared: Arc<Shared>, mut sender: Sender) -> WorkerResult {
     let mut connect_failures = 0u32;
     let drain_deadline = shared.deadline + Duration::from_millis(OPEN_LOOP_DRAIN_GRACE_MS);
     loop {
-        let i = shared.next.fetch_add(1, Ordering::Relaxed);
-        if i >= shared.schedule_total {
-            break;
-        }
-        let scheduled = match cfg.mode {
-            Mode::Open { rate_per_s } => {
-                let due = shared.start + Duration::from_secs_f64(i as f64 / rate_per_s);
+        let scheduled = match (cfg.mode, &shared.released) {
+            (Mode::Open { rate_per_s }, Some(rx)) => {
+                let Some(i) = rx.lock().await.recv().await else {
+                    break;
+                };
+                shared.next.fetch_add(1, Ordering::Relaxed);
                 if Instant::now() > drain_deadline {
                     break;
                 }
-                tokio::time::sleep_until(due.into()).await;
-                due
+                shared.start + Duration::from_secs_f64(i as f64 / rate_per_s)
             }
-            Mode::Closed => {
+            _ => {
+                let i = shared.next.fetch_add(1, Ordering::Relaxed);
                 let now = Instant::now();
-                if now >= shared.deadline {
+                if i >= shared.schedule_total || now >= shared.deadline {
                     break;
                 }
                 now
@@ -354,12 +382,22 @@ pub async fn run(cfg: LoadConfig) -> Result<Report, LoadError> {
         (Mode::Closed, Some(_)) if cfg.duration.is_zero() => start + Duration::from_secs(86_400),
         _ => start + cfg.duration,
     };
+    let (released, pacer_thread) = match cfg.mode {
+        Mode::Open { rate_per_s } => {
+            let (tx, rx) = tokio::sync::mpsc::channel(cfg.connections);
+            let stop_at = deadline + Duration::from_millis(OPEN_LOOP_DRAIN_GRACE_MS);
+            let t = std::thread::spawn(move || pacer(start, rate_per_s, schedule_total, stop_at, tx));
+            (Some(tokio::sync::Mutex::new(rx)), Some(t))
+        }
+        Mode::Closed => (None, None),
+    };
     let shared = Arc::new(Shared {
         warmup_end: start + cfg.warmup,
         deadline,
         start,
         next: AtomicU64::new(0),
         schedule_total,
+        released,
         cfg: cfg.clone(),
     });
     let handles: Vec<_> = senders
@@ -384,6 +422,14 @@ pub async fn run(cfg: LoadConfig) -> Result<Report, LoadError> {
         if total.first_error.is_none() {
             total.first_error = r.first_error;
         }
+    }
+    if let Some(rx) = &shared.released {
+        // Workers may all have given up early (connect failures); closing makes a pacer blocked
+        // on a full channel return instead of waiting forever.
+        rx.lock().await.close();
+    }
+    if let Some(t) = pacer_thread {
+        let _ = tokio::task::spawn_blocking(move || t.join()).await;
     }
     let claimed = shared.next.load(Ordering::Relaxed).min(schedule_total);
     let sent = total.ok_total + total.errors_status + total.errors_io + total.errors_timeout;

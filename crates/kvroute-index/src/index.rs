@@ -373,8 +373,7 @@ impl Shard {
     }
 
     pub(crate) fn reserve_nodes(&mut self, additional: usize) {
-        let nodes = &self.nodes;
-        self.by_hash.reserve(additional, |i| nodes[i as usize].hash);
+        self.by_hash.reserve(additional);
     }
 
     #[inline]
@@ -454,9 +453,7 @@ impl Shard {
         if parent != NONE {
             self.nodes[parent as usize].children += 1;
         }
-        let nodes = &self.nodes;
-        self.by_hash
-            .insert_unique(hash, idx, |i| nodes[i as usize].hash);
+        self.by_hash.insert_unique(hash, idx);
         Some(idx)
     }
 
@@ -1672,3 +1669,6 @@ impl IndexReader {
         }
     }
 }
+
+// The memory budget per carried pair assumes 32-byte nodes; fail the build if a field creeps in.
+const _: () = assert!(std::mem::size_of::<Node>() == 32);

@@ -264,6 +264,53 @@ struct Rec {
     c_end: u32,
 }
 
+const UNKNOWN_DEPTH: u32 = u32::MAX;
+const ORPHAN_DEPTH: u32 = u32::MAX - 1;
+const ROOT_REC: u32 = u32::MAX;
+const ORPHAN_REC: u32 = u32::MAX - 1;
+
+/// Sets every rec's depth from `parent_rec` (rec index, [`ROOT_REC`] or [`ORPHAN_REC`]): roots
+/// are 0, and a rec below an orphan, or on a parent cycle (possible only through a content-hash
+/// collision in a racing walk), is [`ORPHAN_DEPTH`]. Iterative, so deep chains cannot overflow
+/// the stack; each rec is resolved once.
+fn derive_depths(parent_rec: &[u32], recs: &mut [Rec], stack: &mut Vec<u32>) {
+    let n = recs.len();
+    for i in 0..n {
+        if recs[i].depth != UNKNOWN_DEPTH {
+            continue;
+        }
+        stack.clear();
+        let mut cur = i as u32;
+        let mut cyclic = false;
+        while recs[cur as usize].depth == UNKNOWN_DEPTH {
+            if stack.len() >= n {
+                cyclic = true;
+                break;
+            }
+            stack.push(cur);
+            let p = parent_rec[cur as usize];
+            if p == ROOT_REC || p == ORPHAN_REC {
+                break;
+            }
+            cur = p;
+        }
+        // Ancestors were pushed last, so popping resolves each parent before its child.
+        while let Some(x) = stack.pop() {
+            let p = parent_rec[x as usize];
+            recs[x as usize].depth = if cyclic || p == ORPHAN_REC {
+                ORPHAN_DEPTH
+            } else if p == ROOT_REC {
+                0
+            } else {
+                match recs[p as usize].depth {
+                    ORPHAN_DEPTH | UNKNOWN_DEPTH => ORPHAN_DEPTH,
+                    d => d + 1,
+                }
+            };
+        }
+    }
+}
+
 impl IndexReader {
     /// A snapshot of the whole index; see the module doc for its consistency rules.
     /// `producer_ready` is always false: only the service knows whether to trust the index.
@@ -300,6 +347,9 @@ impl IndexReader {
         let mut depth_start: Vec<u32> = Vec::new();
         let mut emitted: HashToIdx = HashToIdx::default();
         let mut slot_to_snap: Vec<u32> = Vec::new();
+        let mut rec_of_slot: Vec<u32> = Vec::new();
+        let mut parent_rec: Vec<u32> = Vec::new();
+        let mut depth_stack: Vec<u32> = Vec::new();
 
         for lock in shared.shards.iter() {
             recs.clear();
@@ -321,7 +371,7 @@ impl IndexReader {
                 }
                 for slot in start..end {
                     let node = &shard.nodes[slot];
-                    if node.depth == u32::MAX {
+                    if node.is_free() {
                         continue;
                     }
                     let c_start = tmp_carriers.len() as u32;
@@ -346,26 +396,71 @@ impl IndexReader {
                         slot: slot as u32,
                         parent_slot: node.parent,
                         is_root,
-                        depth: node.depth,
+                        depth: UNKNOWN_DEPTH,
                         c_start,
                         c_end: tmp_carriers.len() as u32,
                     });
                 }
                 start = end;
             }
+            // Nodes store no depth: derive it off-lock from parent links, by slab slot when the
+            // shard did not move during the walk, else by content hash (slots may have been
+            // reused between chunks). A rec whose parent was not seen gets ORPHAN_DEPTH.
+            parent_rec.clear();
+            if stable {
+                rec_of_slot.clear();
+                rec_of_slot.resize(slab_len, NONE);
+                for (i, r) in recs.iter().enumerate() {
+                    rec_of_slot[r.slot as usize] = i as u32;
+                }
+                parent_rec.extend(recs.iter().map(|r| {
+                    if r.is_root {
+                        ROOT_REC
+                    } else {
+                        match rec_of_slot.get(r.parent_slot as usize) {
+                            Some(&p) if p != NONE => p,
+                            _ => ORPHAN_REC,
+                        }
+                    }
+                }));
+            } else {
+                emitted.clear();
+                emitted.reserve(recs.len());
+                for (i, r) in recs.iter().enumerate() {
+                    let _ = emitted.try_insert(r.hash, i as u32);
+                }
+                parent_rec.extend(recs.iter().map(|r| {
+                    if r.is_root {
+                        ROOT_REC
+                    } else {
+                        emitted.get(&r.parent_hash).copied().unwrap_or(ORPHAN_REC)
+                    }
+                }));
+            }
+            derive_depths(&parent_rec, &mut recs, &mut depth_stack);
             // Counting sort by depth: parents (depth d) come before children (d + 1).
-            let max_depth = recs.iter().map(|r| r.depth as usize).max().unwrap_or(0);
+            let max_depth = recs
+                .iter()
+                .map(|r| r.depth)
+                .filter(|&d| d != ORPHAN_DEPTH)
+                .max()
+                .unwrap_or(0) as usize;
             depth_start.clear();
             depth_start.resize(max_depth + 2, 0);
             for r in &recs {
-                depth_start[r.depth as usize + 1] += 1;
+                if r.depth != ORPHAN_DEPTH {
+                    depth_start[r.depth as usize + 1] += 1;
+                }
             }
             for d in 1..depth_start.len() {
                 depth_start[d] += depth_start[d - 1];
             }
             by_depth.clear();
-            by_depth.resize(recs.len(), 0);
+            by_depth.resize(depth_start[max_depth + 1] as usize, 0);
             for (i, r) in recs.iter().enumerate() {
+                if r.depth == ORPHAN_DEPTH {
+                    continue;
+                }
                 let slot = &mut depth_start[r.depth as usize];
                 by_depth[*slot as usize] = i as u32;
                 *slot += 1;

@@ -6,24 +6,36 @@
 //! next blocks while it processes the current ones; hashbrown's layout is private, so it cannot.
 //! Content hashes are uniform already, so no hasher runs at all.
 //!
-//! A slot packs a 32-bit tag (the hash's low half) with the node's slab index, so probing past a
-//! colliding slot never touches the node; a tag hit is confirmed against the node's full hash.
-//! Deletion shifts later entries back (no tombstones), so probe lengths never degrade with churn.
+//! A slot packs the hash's TOP 32 bits (the tag) with the node's slab index. A tag hit is
+//! confirmed against the node's full hash. Because the home slot is a monotone function of the
+//! tag (`tag * homes >> 32`, so any table size works, not just powers of two), the table keeps
+//! every run of occupied slots SORTED by tag. That buys three things:
+//! * a miss stops at the first larger tag instead of at the end of the run, so the table can
+//!   be kept 90 % full (memory is the index's tightest budget) without long miss probes;
+//! * growth and deletion compute every entry's home from its slot alone, never touching nodes;
+//! * growth is a single linear merge pass, so the table can grow in small steps (x1.25).
+//!
+//! Runs never wrap around: spare tail slots (at least `MIN_TAIL_SLOTS`) follow the last home, the
+//! last slot is always empty (it ends every probe), and an insert that would fill it doubles the
+//! tail. The tail, not the home count, grows there: hashes crafted to share one tag pile onto one
+//! home however many homes there are, so only a longer tail is sure to make room.
 
 const EMPTY: u64 = u64::MAX;
-/// Growth threshold: at most 3/4 of the slots in use keeps linear-probe runs short.
-const MAX_LOAD_NUM: usize = 3;
-const MAX_LOAD_DEN: usize = 4;
-const MIN_SLOTS: usize = 16;
+const TAG_MASK: u64 = 0xFFFF_FFFF_0000_0000;
+/// Growth threshold: at most 9/10 of the homes in use. Sorted runs keep misses short at that load.
+const MAX_LOAD_NUM: usize = 9;
+const MAX_LOAD_DEN: usize = 10;
+/// Each growth step multiplies the home count by 5/4, which keeps the average load near 0.8
+/// (doubling would let it fall to 0.45 right after a step).
+const GROWTH_NUM: usize = 5;
+const GROWTH_DEN: usize = 4;
+const MIN_HOMES: usize = 16;
+/// Spare slots past the last home, so the runs of the highest homes never need to wrap.
+const MIN_TAIL_SLOTS: usize = 64;
 
 #[inline]
 fn pack(hash: u64, idx: u32) -> u64 {
-    ((hash as u32 as u64) << 32) | u64::from(idx)
-}
-
-#[inline]
-fn tag_of(slot: u64) -> u32 {
-    (slot >> 32) as u32
+    (hash & TAG_MASK) | u64::from(idx)
 }
 
 #[inline]
@@ -48,20 +60,18 @@ pub(crate) fn prefetch_ptr<T>(p: &T) {
 
 #[derive(Default)]
 pub(crate) struct HashSlots {
+    /// `homes + tail` slots (or none before the first insert).
     slots: Vec<u64>,
-    shift: u32,
+    homes: usize,
+    tail: usize,
     len: usize,
 }
 
 impl HashSlots {
+    /// Home slot of a hash or of a packed slot (only the top 32 bits are read).
     #[inline]
-    fn home(&self, hash: u64) -> usize {
-        (hash >> self.shift) as usize
-    }
-
-    #[inline]
-    fn mask(&self) -> usize {
-        self.slots.len() - 1
+    fn home(&self, hash_or_slot: u64) -> usize {
+        (((hash_or_slot >> 32) * self.homes as u64) >> 32) as usize
     }
 
     pub(crate) fn allocated_bytes(&self) -> usize {
@@ -76,100 +86,126 @@ impl HashSlots {
         }
     }
 
-    /// The slab index stored for `hash`; `hash_at(idx)` yields a stored node's full hash.
+    /// Position of `hash`'s slot; `hash_at(idx)` yields a stored node's full hash.
     #[inline]
-    pub(crate) fn find(&self, hash: u64, hash_at: impl Fn(u32) -> u64) -> Option<u32> {
+    fn position(&self, hash: u64, hash_at: impl Fn(u32) -> u64) -> Option<usize> {
         if self.len == 0 {
             return None;
         }
-        let tag = hash as u32;
-        let mask = self.mask();
+        let key = hash & TAG_MASK;
         let mut pos = self.home(hash);
-        loop {
-            let s = self.slots[pos];
-            if s == EMPTY {
+        while let Some(&s) = self.slots.get(pos) {
+            if s == EMPTY || s & TAG_MASK > key {
                 return None;
             }
-            if tag_of(s) == tag && hash_at(idx_of(s)) == hash {
-                return Some(idx_of(s));
+            if s & TAG_MASK == key && hash_at(idx_of(s)) == hash {
+                return Some(pos);
             }
-            pos = (pos + 1) & mask;
+            pos += 1;
         }
+        None
+    }
+
+    /// The slab index stored for `hash`; `hash_at(idx)` yields a stored node's full hash.
+    #[inline]
+    pub(crate) fn find(&self, hash: u64, hash_at: impl Fn(u32) -> u64) -> Option<u32> {
+        self.position(hash, hash_at)
+            .map(|pos| idx_of(self.slots[pos]))
     }
 
     /// Inserts `hash -> idx`; the caller guarantees `hash` is absent.
-    pub(crate) fn insert_unique(&mut self, hash: u64, idx: u32, hash_at: impl Fn(u32) -> u64) {
-        self.reserve(1, &hash_at);
-        self.place(pack(hash, idx), hash);
+    pub(crate) fn insert_unique(&mut self, hash: u64, idx: u32) {
+        self.reserve(1);
+        let slot = pack(hash, idx);
+        while !self.try_place(slot) {
+            self.rebuild(self.homes, self.tail.max(MIN_TAIL_SLOTS) * 2);
+        }
         self.len += 1;
     }
 
-    fn place(&mut self, slot: u64, hash: u64) {
-        let mask = self.mask();
-        let mut pos = self.home(hash);
-        while self.slots[pos] != EMPTY {
-            pos = (pos + 1) & mask;
+    /// Places `slot` in tag order within its run; false (table unchanged) when the run would
+    /// reach the last slot, which must stay empty.
+    fn try_place(&mut self, slot: u64) -> bool {
+        let key = slot & TAG_MASK;
+        let n = self.slots.len();
+        let mut pos = self.home(slot);
+        while pos < n && self.slots[pos] != EMPTY && self.slots[pos] & TAG_MASK <= key {
+            pos += 1;
         }
+        let mut end = pos;
+        while end < n && self.slots[end] != EMPTY {
+            end += 1;
+        }
+        if end + 1 >= n {
+            return false;
+        }
+        self.slots.copy_within(pos..end, pos + 1);
         self.slots[pos] = slot;
+        true
     }
 
     /// Removes `hash` if present.
     pub(crate) fn remove(&mut self, hash: u64, hash_at: impl Fn(u32) -> u64) {
-        if self.len == 0 {
+        let Some(mut hole) = self.position(hash, hash_at) else {
             return;
-        }
-        let tag = hash as u32;
-        let mask = self.mask();
-        let mut pos = self.home(hash);
-        loop {
-            let s = self.slots[pos];
-            if s == EMPTY {
-                return;
-            }
-            if tag_of(s) == tag && hash_at(idx_of(s)) == hash {
+        };
+        // Backward shift: a later member of the run moves into the hole unless that would put it
+        // before its home. Order is preserved, and no tombstones degrade later probes.
+        while let Some(&s) = self.slots.get(hole + 1) {
+            if s == EMPTY || self.home(s) > hole {
                 break;
             }
-            pos = (pos + 1) & mask;
-        }
-        // Backward-shift deletion: move later members of the run into the hole when their home
-        // does not lie cyclically in (hole, current].
-        let mut hole = pos;
-        let mut cur = (pos + 1) & mask;
-        loop {
-            let s = self.slots[cur];
-            if s == EMPTY {
-                break;
-            }
-            let home = self.home(hash_at(idx_of(s)));
-            let dist_cur = cur.wrapping_sub(home) & mask;
-            let dist_hole = hole.wrapping_sub(home) & mask;
-            if dist_hole < dist_cur {
-                self.slots[hole] = s;
-                hole = cur;
-            }
-            cur = (cur + 1) & mask;
+            self.slots[hole] = s;
+            hole += 1;
         }
         self.slots[hole] = EMPTY;
         self.len -= 1;
     }
 
+    fn grown_homes(&self, homes: usize) -> usize {
+        (homes.max(MIN_HOMES) * GROWTH_NUM).div_ceil(GROWTH_DEN)
+    }
+
     /// Ensures room for `additional` more entries without exceeding the load threshold.
-    pub(crate) fn reserve(&mut self, additional: usize, hash_at: impl Fn(u32) -> u64) {
+    pub(crate) fn reserve(&mut self, additional: usize) {
         let need = self.len + additional;
-        if need * MAX_LOAD_DEN <= self.slots.len() * MAX_LOAD_NUM {
+        if !self.slots.is_empty() && need * MAX_LOAD_DEN <= self.homes * MAX_LOAD_NUM {
             return;
         }
-        let mut cap = self.slots.len().max(MIN_SLOTS);
-        while need * MAX_LOAD_DEN > cap * MAX_LOAD_NUM {
-            cap *= 2;
+        let mut homes = self.homes.max(MIN_HOMES);
+        while need * MAX_LOAD_DEN > homes * MAX_LOAD_NUM {
+            homes = self.grown_homes(homes);
         }
-        let old = std::mem::replace(&mut self.slots, vec![EMPTY; cap]);
-        self.shift = 64 - cap.trailing_zeros();
-        for s in old {
-            if s != EMPTY {
-                let h = hash_at(idx_of(s));
-                self.place(s, h);
+        self.rebuild(homes, self.tail);
+    }
+
+    /// Re-lays the entries out over `homes` homes and at least `tail` tail slots (doubling the
+    /// tail until every entry fits, which it does once the tail exceeds the entry count).
+    /// Entries are read in slot order, which is tag order, so each lands at or after the previous
+    /// one and no run ever needs shifting.
+    fn rebuild(&mut self, homes: usize, tail: usize) {
+        let old = std::mem::take(&mut self.slots);
+        self.homes = homes;
+        self.tail = tail.max(MIN_TAIL_SLOTS);
+        loop {
+            let n = homes + self.tail;
+            let mut slots = vec![EMPTY; n];
+            let mut next = 0usize;
+            let mut fits = true;
+            for &s in old.iter().filter(|&&s| s != EMPTY) {
+                let pos = self.home(s).max(next);
+                if pos + 1 >= n {
+                    fits = false;
+                    break;
+                }
+                slots[pos] = s;
+                next = pos + 1;
             }
+            if fits {
+                self.slots = slots;
+                return;
+            }
+            self.tail *= 2;
         }
     }
 }
@@ -179,30 +215,70 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    /// Every run is sorted by tag and every entry sits at or after its home: the two facts the
+    /// early-stopping miss relies on.
+    fn assert_layout(t: &HashSlots) {
+        let mut prev_tag = 0u64;
+        for (pos, &s) in t.slots.iter().enumerate() {
+            if s == EMPTY {
+                continue;
+            }
+            assert!(t.home(s) <= pos, "entry at {pos} sits before its home {}", t.home(s));
+            assert!(s & TAG_MASK >= prev_tag, "tags out of order at {pos}");
+            prev_tag = s & TAG_MASK;
+        }
+        assert_eq!(t.slots.last(), Some(&EMPTY), "the last slot must stay empty");
+    }
+
     #[test]
     fn inserts_finds_and_removes_agree_with_a_map_under_collisions() {
-        // Hashes sharing their top bits collide on the home slot, exercising probe runs and the
-        // backward shift across the wrap-around.
+        // Hashes sharing their top bits (tags) collide on the home slot, and many share the
+        // whole tag, exercising full-hash confirmation, long runs and the tail past the last home.
         let hashes: Vec<u64> = (0..2_000u64)
-            .map(|i| (i % 7) << 61 | i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 3)
+            .map(|i| (i % 7) << 61 | (i % 5) << 32 | i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 34)
+            .chain((0..300u64).map(|i| u64::MAX - i))
             .collect();
         let at = |i: u32| hashes[i as usize];
         let mut t = HashSlots::default();
         let mut model = HashMap::new();
         for (i, &h) in hashes.iter().enumerate() {
-            t.insert_unique(h, i as u32, at);
+            t.insert_unique(h, i as u32);
             model.insert(h, i as u32);
         }
+        assert_layout(&t);
         for (i, &h) in hashes.iter().enumerate() {
             if i % 3 == 0 {
                 t.remove(h, at);
                 model.remove(&h);
             }
         }
+        assert_layout(&t);
         for &h in &hashes {
             assert_eq!(t.find(h, at), model.get(&h).copied(), "hash {h:#x}");
         }
         assert_eq!(t.find(12345, at), None);
         assert_eq!(t.len, model.len());
+    }
+
+    #[test]
+    fn uniform_hashes_keep_the_table_between_the_growth_step_and_the_load_cap() {
+        let mut t = HashSlots::default();
+        let mut x = 0x1234_5678_9abc_def0u64;
+        for i in 0..100_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            t.insert_unique(x, i);
+            if i > 1_000 {
+                let load = t.len as f64 / t.homes as f64;
+                assert!(
+                    (0.7..=0.9).contains(&load),
+                    "load {load} after {} entries over {} homes",
+                    t.len,
+                    t.homes
+                );
+            }
+        }
+        assert_layout(&t);
     }
 }

@@ -183,12 +183,21 @@ impl RouterConfig {
 /// editors add) trimmed, and long enough to key the snapshot HMAC.
 pub fn read_internal_auth_token(path: &std::path::Path) -> Result<Arc<[u8]>, String> {
     use std::io::Read;
-    let file = std::fs::File::open(path)
-        .map_err(|e| format!("cannot open --internal-auth-token-file {}: {e}", path.display()))?;
+    let file = std::fs::File::open(path).map_err(|e| {
+        format!(
+            "cannot open --internal-auth-token-file {}: {e}",
+            path.display()
+        )
+    })?;
     let mut raw = Vec::new();
     file.take(INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES + 1)
         .read_to_end(&mut raw)
-        .map_err(|e| format!("cannot read --internal-auth-token-file {}: {e}", path.display()))?;
+        .map_err(|e| {
+            format!(
+                "cannot read --internal-auth-token-file {}: {e}",
+                path.display()
+            )
+        })?;
     if raw.len() as u64 > INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES {
         return Err(format!(
             "--internal-auth-token-file is larger than {INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES} bytes"
@@ -499,10 +508,17 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let good = dir.join("good");
         std::fs::write(&good, "0123456789abcdef-token\n").unwrap();
-        assert_eq!(&*read_internal_auth_token(&good).unwrap(), b"0123456789abcdef-token");
+        assert_eq!(
+            &*read_internal_auth_token(&good).unwrap(),
+            b"0123456789abcdef-token"
+        );
         let short = dir.join("short");
         std::fs::write(&short, "short\n").unwrap();
-        assert!(read_internal_auth_token(&short).unwrap_err().contains("at least 16"));
+        assert!(
+            read_internal_auth_token(&short)
+                .unwrap_err()
+                .contains("at least 16")
+        );
         assert!(read_internal_auth_token(&dir.join("missing")).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }

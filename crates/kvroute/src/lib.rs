@@ -7,7 +7,9 @@
 //! health), [`tokenize`] (tokenizer, chat template, segment cache), [`kv`] (the bridge to the KV
 //! plane and index), [`policy`] (policies and the cost model), [`router`] (shared state, planning,
 //! health loop), [`proxy`] (forwarding and streaming), [`server`] (HTTP routes), [`metrics`],
-//! [`readiness`], [`error`], [`demo`].
+//! [`readiness`], [`error`], [`demo`]; for peer bootstrap: [`internal`] (the internal listener
+//! and its endpoints), [`snapshot_producer`] (cached single-flight index export),
+//! [`peer_fetch`] (the client that fetches a sibling's snapshot).
 
 pub mod config;
 pub mod demo;
@@ -48,8 +50,12 @@ pub enum ServeError {
 /// A running router. Dropping it does not stop the server; call [`RouterHandle::shutdown`].
 pub struct RouterHandle {
     pub addr: SocketAddr,
+    /// Where the internal listener (`/internal/*`) is bound.
+    pub internal_addr: SocketAddr,
     pub router: Arc<Router>,
     join: tokio::task::JoinHandle<()>,
+    internal_join: tokio::task::JoinHandle<()>,
+    peer_source: Option<kvroute_peers::PeerSourceHandle>,
 }
 
 impl RouterHandle {
@@ -57,17 +63,28 @@ impl RouterHandle {
         format!("http://{}", self.addr)
     }
 
+    /// Base URL of the internal listener, as a sibling would dial it.
+    pub fn internal_url(&self) -> String {
+        format!("http://{}", self.internal_addr)
+    }
+
     /// Stops accepting, lets in-flight requests finish (bounded by `shutdown_grace_ms`), stops
     /// the background tasks.
     pub async fn shutdown(self) {
         self.router.shutdown.cancel();
         let grace = Duration::from_millis(self.router.config.shutdown_grace_ms);
-        let abort = self.join.abort_handle();
-        if tokio::time::timeout(grace, self.join).await.is_err() {
+        let aborts = [self.join.abort_handle(), self.internal_join.abort_handle()];
+        let both = futures::future::join(self.join, self.internal_join);
+        if tokio::time::timeout(grace, both).await.is_err() {
             tracing::warn!(
                 "graceful shutdown exceeded its grace period; aborting open connections"
             );
-            abort.abort();
+            for a in aborts {
+                a.abort();
+            }
+        }
+        if let Some(peers) = self.peer_source {
+            peers.shutdown().await;
         }
         self.router.kv.shutdown().await;
     }
@@ -84,6 +101,8 @@ pub async fn serve_with_registry(
     prom: prometheus::Registry,
 ) -> Result<RouterHandle, ServeError> {
     let listen = config.listen;
+    let internal_listen = config.internal_listen();
+    let peer_config = config.peer_source.clone();
     let source = registry::StaticWorkerSource(config.workers.clone());
     let router = Arc::new(Router::new(config, prom).map_err(ServeError::Setup)?);
     let listener = tokio::net::TcpListener::bind(listen)
@@ -96,6 +115,26 @@ pub async fn serve_with_registry(
         addr: listen,
         source,
     })?;
+    let internal_listener = tokio::net::TcpListener::bind(internal_listen)
+        .await
+        .map_err(|source| ServeError::Bind {
+            addr: internal_listen,
+            source,
+        })?;
+    let internal_addr = internal_listener
+        .local_addr()
+        .map_err(|source| ServeError::Bind {
+            addr: internal_listen,
+            source,
+        })?;
+    let peer_source = match peer_config {
+        Some(cfg) => Some(
+            kvroute_peers::spawn_peer_source(cfg, router.peers.clone())
+                .await
+                .map_err(|e| ServeError::Setup(format!("peer discovery: {e}")))?,
+        ),
+        None => None,
+    };
     // First attempt inline so a router started against a running fleet is usable as soon as
     // `serve` returns; workers not up yet keep being retried in the background.
     let specs = source.initial_workers();
@@ -107,6 +146,16 @@ pub async fn serve_with_registry(
         }
     }
     router.spawn_health_loop();
+    let internal = internal::internal_app(router.clone(), server::readiness_gates(&router));
+    let internal_token = router.shutdown.clone();
+    let internal_join = tokio::spawn(async move {
+        if let Err(e) = axum::serve(internal_listener, internal)
+            .with_graceful_shutdown(internal_token.cancelled_owned())
+            .await
+        {
+            tracing::error!(error = %e, "internal listener stopped with an error");
+        }
+    });
     let app = server::app(router.clone());
     let token = router.shutdown.clone();
     let join = tokio::spawn(async move {
@@ -117,6 +166,13 @@ pub async fn serve_with_registry(
             tracing::error!(error = %e, "server stopped with an error");
         }
     });
-    tracing::info!(%addr, source = source.name(), "kvroute listening");
-    Ok(RouterHandle { addr, router, join })
+    tracing::info!(%addr, %internal_addr, source = source.name(), "kvroute listening");
+    Ok(RouterHandle {
+        addr,
+        internal_addr,
+        router,
+        join,
+        internal_join,
+        peer_source,
+    })
 }

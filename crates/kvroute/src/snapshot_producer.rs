@@ -199,7 +199,10 @@ pub fn encode_variant(
         .map(|_| ()),
         SnapshotFormat::Json => (|| {
             let mut w = kvroute_snapshot::CompressingWriter::new(
-                std::io::BufWriter::with_capacity(kvroute_snapshot::binary::BODY_CHUNK_BYTES, &mut out),
+                std::io::BufWriter::with_capacity(
+                    kvroute_snapshot::binary::BODY_CHUNK_BYTES,
+                    &mut out,
+                ),
                 compression,
             )?;
             kvroute_snapshot::encode_json(snapshot, &mut w)?;
@@ -304,7 +307,9 @@ impl SnapshotProducer {
                 return Ok((current.clone(), ExportSource::Cached));
             }
             match &slot.building {
-                Some((stamp, fut)) if req.arrival.saturating_duration_since(*stamp) <= req.max_age => {
+                Some((stamp, fut))
+                    if req.arrival.saturating_duration_since(*stamp) <= req.max_age =>
+                {
                     self.metrics.cache_hits.inc();
                     (fut.clone(), ExportSource::JoinedBuild)
                 }
@@ -315,7 +320,8 @@ impl SnapshotProducer {
                         .try_acquire_owned()
                         .map_err(|_| ProduceError::Busy)?;
                     let stamp = Instant::now();
-                    let fut = self.start_build(model, reader.clone(), stamp, permit, replica_ready());
+                    let fut =
+                        self.start_build(model, reader.clone(), stamp, permit, replica_ready());
                     slot.building = Some((stamp, fut.clone()));
                     (fut, ExportSource::Built)
                 }
@@ -416,7 +422,9 @@ impl SnapshotProducer {
         let task = tokio::spawn(async move {
             cell.get_or_try_init(|| async move {
                 // Busy is the one outcome not cached: it says nothing about the export.
-                let permit = permits.try_acquire_owned().map_err(|_| ProduceError::Busy)?;
+                let permit = permits
+                    .try_acquire_owned()
+                    .map_err(|_| ProduceError::Busy)?;
                 let encoded = tokio::task::spawn_blocking(move || {
                     let _permit = permit;
                     let started = Instant::now();
@@ -491,4 +499,118 @@ pub fn index_has_cursor(reader: &IndexReader) -> bool {
         .ranks()
         .into_iter()
         .any(|(id, _)| reader.rank_stats(id).is_some_and(|s| s.cursor.is_some()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_index::{IndexConfig, PrefixIndex};
+    use kvroute_wire::snapshot::RankRef;
+
+    fn producer() -> Arc<SnapshotProducer> {
+        let metrics = SnapshotMetrics::new(&prometheus::Registry::new()).unwrap();
+        Arc::new(SnapshotProducer::new(metrics, None, 1 << 20))
+    }
+
+    fn reader() -> IndexReader {
+        let (mut w, r) = PrefixIndex::new(IndexConfig::new(4));
+        let id = w.add_rank(RankRef {
+            worker_url: "http://127.0.0.1:1".into(),
+            dp_rank: 0,
+        });
+        w.set_cursor(id, Some((3, 1.5)));
+        r
+    }
+
+    fn request(max_age_ms: u64) -> ExportRequest {
+        ExportRequest {
+            arrival: Instant::now(),
+            max_age: Duration::from_millis(max_age_ms),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_new_build_is_refused_as_busy_when_every_slot_is_taken() {
+        let p = producer();
+        let held = p
+            .permits
+            .clone()
+            .try_acquire_many_owned(SNAPSHOT_CONCURRENT_EXPORTS_MAX as u32)
+            .unwrap();
+        let r = p.export("m", &reader(), request(0), || true).await;
+        assert!(matches!(r, Err(ProduceError::Busy)), "{:?}", r.err());
+        drop(held);
+        let (export, source) = p.export("m", &reader(), request(0), || true).await.unwrap();
+        assert_eq!(source, ExportSource::Built);
+        assert!(export.snapshot.producer_ready);
+        assert_eq!(p.metrics.builds.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_build_its_requester_abandoned_still_lands_in_the_cache() {
+        let p = producer();
+        // Poll once (starts the detached build), then drop the request.
+        assert!(
+            p.export("m", &reader(), request(0), || true)
+                .now_or_never()
+                .is_none_or(|r| r.is_ok())
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while p.slots.lock().get("m").is_none_or(|s| s.current.is_none()) {
+            assert!(
+                Instant::now() < deadline,
+                "the abandoned build never reached the cache"
+            );
+            tokio::task::yield_now().await;
+        }
+        let (_, source) = p
+            .export("m", &reader(), request(60_000), || true)
+            .await
+            .unwrap();
+        assert_eq!(source, ExportSource::Cached);
+        assert_eq!(p.metrics.builds.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn each_variant_is_encoded_once_per_export() {
+        let p = producer();
+        let (export, _) = p
+            .export("m", &reader(), request(0), || false)
+            .await
+            .unwrap();
+        assert!(!export.snapshot.producer_ready, "replica not ready");
+        let a = p
+            .encoded(&export, SnapshotFormat::Binary, Compression::Zstd)
+            .await
+            .unwrap();
+        let b = p
+            .encoded(&export, SnapshotFormat::Binary, Compression::Zstd)
+            .await
+            .unwrap();
+        assert_eq!(a.as_ptr(), b.as_ptr(), "second request re-encoded");
+        assert_eq!(
+            p.metrics
+                .export_seconds
+                .with_label_values(&["encode"])
+                .get_sample_count(),
+            1
+        );
+    }
+
+    #[test]
+    fn an_encoding_past_the_byte_limit_is_too_large() {
+        let snap = reader().export_snapshot();
+        let r = encode_variant(&snap, SnapshotFormat::Json, Compression::None, None, 16);
+        assert!(matches!(r, Err(ProduceError::TooLarge { limit_bytes: 16 })));
+        assert!(
+            encode_variant(
+                &snap,
+                SnapshotFormat::Json,
+                Compression::None,
+                None,
+                1 << 20
+            )
+            .is_ok()
+        );
+    }
 }

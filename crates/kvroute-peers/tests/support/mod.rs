@@ -19,7 +19,9 @@
 //!   open streams;
 //! - [`FakeApiServer::close_watches`] ends open streams cleanly (the server's watch timeout),
 //!   which a client answers by re-watching from its last version without relisting;
-//! - `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-joined) filters list and watch.
+//! - `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-joined) filters list and watch;
+//!   as on the real server, a watch sees a MODIFIED that moves an object out of its selector
+//!   as DELETED and one that moves it in as ADDED.
 //!
 //! Objects are stored as the JSON the client would receive; the fake does not run any
 //! controller (no kubelet: a test sets a pod's phase, IP and Ready condition itself).
@@ -87,18 +89,36 @@ impl ResourceKind {
     }
 }
 
+/// One stored change, as history keeps it and live watches receive it.
+#[derive(Clone, Debug)]
+struct Change {
+    rv: u64,
+    resource: ResourceKind,
+    namespace: String,
+    kind: &'static str,
+    object: Value,
+    /// The object before a MODIFIED, to tell whether it entered or left a watch's selector.
+    previous: Option<Value>,
+}
+
+impl Change {
+    /// How a watch with `selector` sees this change, if at all.
+    fn seen_as(&self, selector: &Selector) -> Option<&'static str> {
+        let now = selector.matches(&self.object);
+        let before = self.previous.as_ref().map(|p| selector.matches(p));
+        match (self.kind, before, now) {
+            ("MODIFIED", Some(true), false) => Some("DELETED"),
+            ("MODIFIED", Some(false), true) => Some("ADDED"),
+            (_, _, true) => Some(self.kind),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 enum WatchMsg {
-    Event {
-        rv: u64,
-        resource: ResourceKind,
-        namespace: String,
-        kind: &'static str,
-        object: Value,
-    },
-    Bookmark {
-        rv: u64,
-    },
+    Event(Change),
+    Bookmark { rv: u64 },
     Expire,
     Close,
 }
@@ -114,7 +134,7 @@ struct Store {
     rv: u64,
     /// (kind, namespace, name) -> object.
     objects: BTreeMap<(ResourceKind, String, String), Value>,
-    history: Vec<(u64, ResourceKind, String, &'static str, Value)>,
+    history: Vec<Change>,
     /// Watches starting below this version get 410 Gone (their history is gone).
     compacted_through: u64,
     requests: Vec<(RequestKind, String)>,
@@ -266,23 +286,23 @@ impl FakeApiServer {
         object["metadata"]["namespace"] = json!(namespace);
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
         let key = (resource, namespace.clone(), name);
-        let kind = if store.objects.contains_key(&key) {
+        let previous = store.objects.insert(key, object.clone());
+        let kind = if previous.is_some() {
             "MODIFIED"
         } else {
             "ADDED"
         };
-        store.objects.insert(key, object.clone());
-        store
-            .history
-            .push((rv, resource, namespace.clone(), kind, object.clone()));
+        let change = Change {
+            rv,
+            resource,
+            namespace,
+            kind,
+            object,
+            previous,
+        };
+        store.history.push(change.clone());
         if notify {
-            let _ = self.shared.live.send(WatchMsg::Event {
-                rv,
-                resource,
-                namespace,
-                kind,
-                object,
-            });
+            let _ = self.shared.live.send(WatchMsg::Event(change));
         }
     }
 
@@ -295,17 +315,17 @@ impl FakeApiServer {
         store.rv += 1;
         let rv = store.rv;
         object["metadata"]["resourceVersion"] = json!(rv.to_string());
-        store
-            .history
-            .push((rv, resource, namespace.to_string(), "DELETED", object.clone()));
+        let change = Change {
+            rv,
+            resource,
+            namespace: namespace.to_string(),
+            kind: "DELETED",
+            object,
+            previous: None,
+        };
+        store.history.push(change.clone());
         if notify {
-            let _ = self.shared.live.send(WatchMsg::Event {
-                rv,
-                resource,
-                namespace: namespace.to_string(),
-                kind: "DELETED",
-                object,
-            });
+            let _ = self.shared.live.send(WatchMsg::Event(change));
         }
     }
 }
@@ -365,9 +385,7 @@ fn list_or_watch(
         let items: Vec<Value> = store
             .objects
             .iter()
-            .filter(|((r, ns, _), obj)| {
-                *r == resource && *ns == namespace && selector.matches(obj)
-            })
+            .filter(|((r, ns, _), obj)| *r == resource && *ns == namespace && selector.matches(obj))
             .map(|(_, obj)| obj.clone())
             .collect();
         let body = json!({
@@ -401,9 +419,13 @@ fn list_or_watch(
     match from_rv {
         Some(rv) if expired => backlog.push_back(expired_line(rv, store.compacted_through)),
         Some(from) => {
-            for (rv, r, ns, kind, obj) in &store.history {
-                if *rv > from && *r == resource && *ns == namespace && selector.matches(obj) {
-                    backlog.push_back(event_line(kind, obj));
+            for c in &store.history {
+                if c.rv > from
+                    && c.resource == resource
+                    && c.namespace == namespace
+                    && let Some(kind) = c.seen_as(&selector)
+                {
+                    backlog.push_back(event_line(kind, &c.object));
                 }
             }
         }
@@ -455,22 +477,15 @@ async fn next_watch_line(mut s: WatchStream) -> Option<(Result<String, Infallibl
     }
     loop {
         match s.live.recv().await {
-            Ok(WatchMsg::Event {
-                rv,
-                resource,
-                namespace,
-                kind,
-                object,
-            }) => {
-                if rv <= s.last_rv
-                    || resource != s.resource
-                    || namespace != s.namespace
-                    || !s.selector.matches(&object)
-                {
+            Ok(WatchMsg::Event(c)) => {
+                if c.rv <= s.last_rv || c.resource != s.resource || c.namespace != s.namespace {
                     continue;
                 }
-                s.last_rv = rv;
-                let line = event_line(kind, &object);
+                let Some(kind) = c.seen_as(&s.selector) else {
+                    continue;
+                };
+                s.last_rv = c.rv;
+                let line = event_line(kind, &c.object);
                 return Some((Ok(line), s));
             }
             Ok(WatchMsg::Bookmark { rv }) => {
@@ -711,4 +726,87 @@ pub async fn wait_until(what: &str, cond: impl Fn() -> Option<String>) {
 /// The peer URLs of a state, as strings.
 pub fn urls(s: &kvroute_peers::PeerSnapshot) -> Vec<String> {
     s.peers.iter().map(|p| p.to_string()).collect()
+}
+
+/// An engine pod as the kubelet reports it once its readiness probe passes: phase `Running`,
+/// a pod IP and condition `Ready=True`. The fake runs no kubelet, so tests set these fields.
+pub fn engine_pod(namespace: &str, name: &str, ip: &str, labels: &[(&str, &str)]) -> Pod {
+    serde_json::from_value(json!({
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": format!("uid-{namespace}-{name}"),
+            "labels": labels.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        },
+        "spec": {"containers": [{"name": "engine", "image": "engine:latest"}]},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "podIPs": [{"ip": ip}],
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Initialized", "status": "True"},
+                {"type": "ContainersReady", "status": "True"},
+                {"type": "Ready", "status": "True"},
+            ],
+        },
+    }))
+    .expect("a valid Pod")
+}
+
+/// The readiness probe failing: `Ready` and `ContainersReady` become `False`.
+pub fn not_ready(mut pod: Pod) -> Pod {
+    for c in pod
+        .status
+        .as_mut()
+        .and_then(|s| s.conditions.as_mut())
+        .into_iter()
+        .flatten()
+    {
+        if c.type_ == "Ready" || c.type_ == "ContainersReady" {
+            c.status = "False".to_string();
+        }
+    }
+    pod
+}
+
+/// A pod just created: scheduled but not started, so no IP and no `Ready` condition.
+pub fn pending(mut pod: Pod) -> Pod {
+    if let Some(s) = pod.status.as_mut() {
+        s.phase = Some("Pending".to_string());
+        s.pod_ip = None;
+        s.pod_ips = None;
+        s.conditions = Some(vec![k8s_openapi::api::core::v1::PodCondition {
+            type_: "PodScheduled".to_string(),
+            status: "True".to_string(),
+            ..Default::default()
+        }]);
+    }
+    pod
+}
+
+/// Graceful deletion started: the API server sets `deletionTimestamp` (and the pod keeps its
+/// `Ready` condition until the kubelet notices), then deletes the object after the grace period.
+pub fn deleting(mut pod: Pod) -> Pod {
+    pod.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+    ));
+    pod.metadata.deletion_grace_period_seconds = Some(30);
+    pod
+}
+
+pub fn annotated(mut pod: Pod, key: &str, value: &str) -> Pod {
+    pod.metadata
+        .annotations
+        .get_or_insert_default()
+        .insert(key.to_string(), value.to_string());
+    pod
+}
+
+pub fn labelled(mut pod: Pod, key: &str, value: &str) -> Pod {
+    pod.metadata
+        .labels
+        .get_or_insert_default()
+        .insert(key.to_string(), value.to_string());
+    pod
 }

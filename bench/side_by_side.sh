@@ -1,0 +1,325 @@
+#!/usr/bin/env bash
+# Side-by-side router benchmark: kvroute vs sglang-router vs vllm-router, in one run, on one
+# machine, against the same instant backend (nginx answering fixed JSON), with the same load
+# tools. Writes results under target/bench-sbs/<UTC time>/ and prints a markdown table.
+#
+# Why it is shaped this way:
+# - The backend must never be the bottleneck, so it is nginx `return 200 '<fixed json>'`
+#   (bench/nginx-backend.conf.in); two server blocks are the two "workers" of every router.
+# - kvroute's cache_aware needs KV events. Two honest set-ups are measured and labelled:
+#   (a) nginx workers whose /server_info advertises the KV publishers of two idle kvroute-sim
+#       engines; the prompt is sent once to sim engine 0 so the index really holds it (128
+#       blocks) and every routed request hashes, matches and scores a full-depth hit;
+#   (b) kvroute-sim --instant engines as the backends, so the events come from the engines that
+#       serve the requests (the sim is slower than nginx: its own direct row is the baseline).
+# - Peers get the body shape they accept: sglang-router 0.3.2's /v1/completions refuses token
+#   ids, so it gets /generate {input_ids}; its cache_aware tree works on text, so a text row is
+#   measured too. vllm-router gets /v1/completions with ids and with text. Every row says what
+#   the router received. Added latency = router percentile minus the direct percentile of the
+#   same body, at the same fixed rate (open loop, latency from the scheduled send time).
+# - Throughput: wrk -t2 -c32 (the issue's reference tool). Latency: kvroute-loadgen open loop.
+#
+# Usage: bench/side_by_side.sh
+# Env: THROUGHPUT_S (10) LATENCY_S (20) RATE (1000) CONNS (32) RSS_REQUESTS (1000000; 0 skips
+#      the RSS run) PORT_BASE (18100; ports PORT_BASE..PORT_BASE+499 are used) ROWS (regex over
+#      row names; default all) SKIP_INSTALL (1 = do not apt/pip)
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+THROUGHPUT_S="${THROUGHPUT_S:-10}"
+LATENCY_S="${LATENCY_S:-20}"
+RATE="${RATE:-1000}"
+CONNS="${CONNS:-32}"
+RSS_REQUESTS="${RSS_REQUESTS:-1000000}"
+PORT_BASE="${PORT_BASE:-18100}"
+ROWS="${ROWS:-.}"
+HEALTH_WAIT_S=60
+
+out="$root/target/bench-sbs/$(date -u +%Y%m%dT%H%M%SZ)"
+mkdir -p "$out"
+echo "results: $out" >&2
+
+pids=()
+nginx_pid=""
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  if [ -n "$nginx_pid" ]; then kill "$nginx_pid" 2>/dev/null || true; fi
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT INT TERM
+
+log() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
+
+# ---------------------------------------------------------------------------------- install ---
+venv="$root/target/bench-peers/venv"
+if [ "${SKIP_INSTALL:-0}" != 1 ]; then
+  missing=()
+  command -v nginx >/dev/null || missing+=(nginx-light)
+  command -v wrk >/dev/null || missing+=(wrk)
+  if [ "${#missing[@]}" -gt 0 ]; then
+    log "apt-get install ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}" >"$out/apt.log" 2>&1
+  fi
+  if [ ! -x "$venv/bin/vllm-router" ] || [ ! -x "$venv/bin/sglang-router" ]; then
+    log "creating throwaway venv $venv (sglang-router, vllm-router from PyPI)"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check \
+      "sglang-router==0.3.2" "vllm-router==0.1.17" >"$out/pip.log" 2>&1
+  fi
+fi
+"$venv/bin/pip" list 2>/dev/null | grep -Ei '^(sglang-router|vllm-router) ' >"$out/peer-versions.txt"
+nginx -v 2>"$out/nginx-version.txt" || true
+
+log "cargo build --release -p kvroute -p kvroute-sim -p kvroute-bench"
+(cd "$root" && cargo build --release -p kvroute -p kvroute-sim -p kvroute-bench) >"$out/build.log" 2>&1
+bin="$root/target/release"
+
+# ----------------------------------------------------------------------------------- bodies ---
+# 2,048-token prompts (128 blocks of 16). Token ids are fixed pseudo-random values; the text is
+# ~2,000 words for the routers that work on text.
+python3 - "$out" <<'EOF'
+import json, random, sys
+d = sys.argv[1] + "/"
+r = random.Random(42)
+ids = [r.randrange(100, 30000) for _ in range(2048)]
+words = ("the router keeps a radix tree of every engine cache and sends each request where its "
+         "prefix already lives so prefill work is skipped").split()
+text = " ".join(r.choice(words) for _ in range(2000))
+def dump(o, f):
+    with open(d + f, "w") as fh:
+        json.dump(o, fh, separators=(",", ":"))
+dump({"model": "kvroute-sim", "prompt": ids, "max_tokens": 1}, "completions-ids.json")
+dump({"model": "kvroute-sim", "prompt": text, "max_tokens": 1}, "completions-text.json")
+dump({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}, "generate-ids.json")
+dump({"text": text, "sampling_params": {"max_new_tokens": 1}}, "generate-text.json")
+EOF
+
+# ------------------------------------------------------------------------------------ ports ---
+NG_A=$((PORT_BASE + 1)); NG_B=$((PORT_BASE + 2))            # nginx workers
+PUB_HTTP=$((PORT_BASE + 11))                                 # idle sims (publishers only): 11,12
+PUB_KV=$((PORT_BASE + 101)); PUB_REPLAY=$((PORT_BASE + 201)); PUB_LOAD=$((PORT_BASE + 251))
+SIM_HTTP=$((PORT_BASE + 21))                                 # serving sims: 21,22
+SIM_KV=$((PORT_BASE + 111)); SIM_REPLAY=$((PORT_BASE + 211)); SIM_LOAD=$((PORT_BASE + 261))
+ROUTER=$((PORT_BASE + 301)); PROM=$((PORT_BASE + 401))
+
+wait_http() { # url what: polls until HTTP 200 or fails naming what was awaited and the last code
+  local url="$1" what="$2" code="" deadline=$((SECONDS + HEALTH_WAIT_S))
+  while [ $SECONDS -lt $deadline ]; do
+    code="$(curl -s -o /dev/null -w '%{http_code}' "$url" 2>/dev/null || true)"
+    [ "$code" = 200 ] && return 0
+    sleep 0.1
+  done
+  echo "timed out after ${HEALTH_WAIT_S}s waiting for $what ($url): last HTTP code '$code'" >&2
+  return 1
+}
+
+# ------------------------------------------------------------------------------------ nginx ---
+ng="$out/nginx"
+mkdir -p "$ng"/{body,proxy,fastcgi,uwsgi,scgi}
+sed -e "s|@PREFIX@|$ng|g" "$root/bench/nginx-common-locations.conf" >"$ng/common-locations.conf"
+sed -e "s|@PREFIX@|$ng|g" -e "s|@PORT_A@|$NG_A|" -e "s|@PORT_B@|$NG_B|" \
+  -e "s|@KV_PORT_A@|$PUB_KV|" -e "s|@KV_PORT_B@|$((PUB_KV + 1))|" \
+  -e "s|@REPLAY_PORT_A@|$PUB_REPLAY|" -e "s|@REPLAY_PORT_B@|$((PUB_REPLAY + 1))|" \
+  "$root/bench/nginx-backend.conf.in" >"$ng/nginx.conf"
+nginx -p "$ng" -c "$ng/nginx.conf" -g 'daemon off;' >"$ng/stdout.log" 2>&1 &
+nginx_pid=$!
+wait_http "http://127.0.0.1:$NG_A/health" "nginx worker A"
+wait_http "http://127.0.0.1:$NG_B/health" "nginx worker B"
+
+# ------------------------------------------------------------------------------------- sims ---
+"$bin/kvroute-sim" --engines 2 --instant --port "$PUB_HTTP" --kv-port-base "$PUB_KV" \
+  --replay-port-base "$PUB_REPLAY" --load-port-base "$PUB_LOAD" >"$out/sim-publishers.log" 2>&1 &
+pids+=($!)
+"$bin/kvroute-sim" --engines 2 --instant --port "$SIM_HTTP" --kv-port-base "$SIM_KV" \
+  --replay-port-base "$SIM_REPLAY" --load-port-base "$SIM_LOAD" >"$out/sim-serving.log" 2>&1 &
+pids+=($!)
+for p in "$PUB_HTTP" $((PUB_HTTP + 1)) "$SIM_HTTP" $((SIM_HTTP + 1)); do
+  wait_http "http://127.0.0.1:$p/health" "kvroute-sim engine on $p"
+done
+
+# ------------------------------------------------------------------------------------- rows ---
+results="$out/results.tsv"
+printf 'row\trouter\tpolicy\tbackend\tendpoint\tbody\treq_per_s\twrk_non2xx\tp50_us\tp90_us\tp99_us\tp999_us\tmax_us\tlat_errors\ttokenize_calls\tloadavg\n' >"$results"
+
+router_pid=""
+stop_router() {
+  if [ -n "$router_pid" ]; then
+    kill "$router_pid" 2>/dev/null || true
+    wait "$router_pid" 2>/dev/null || true
+    router_pid=""
+  fi
+}
+
+measure() { # name router policy backend url body
+  local name="$1" router="$2" policy="$3" backend="$4" url="$5" body="$6"
+  local endpoint="${url#http://*/}"
+  local load tok0 tok1 wrk_out rps non2xx lat
+  load="$(cut -d' ' -f1-3 /proc/loadavg)"
+  tok0="$(wc -l <"$ng/tokenize.log" 2>/dev/null || echo 0)"
+  log "$name: wrk -t2 -c$CONNS -d${THROUGHPUT_S}s ($router $policy, $body, load $load)"
+  wrk_out="$(WRK_BODY_FILE="$out/$body" wrk -t2 -c"$CONNS" -d"${THROUGHPUT_S}s" \
+    -s "$root/bench/wrk-post-file.lua" "$url")"
+  echo "$wrk_out" >"$out/$name.wrk.txt"
+  rps="$(awk '/^Requests\/sec/ {print $2}' <<<"$wrk_out")"
+  non2xx="$(awk '/Non-2xx/ {print $NF}' <<<"$wrk_out")"
+  tok1="$(wc -l <"$ng/tokenize.log" 2>/dev/null || echo 0)"
+  log "$name: loadgen open loop $RATE req/s for ${LATENCY_S}s"
+  "$bin/kvroute-loadgen" --url "$url" --body-file "$out/$body" --rate "$RATE" \
+    --duration-s "$LATENCY_S" --warmup-s 2 --connections "$CONNS" --json >"$out/$name.lat.json" \
+    2>"$out/$name.lat.err" || log "$name: loadgen failed: $(cat "$out/$name.lat.err")"
+  lat="$(python3 -c '
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except ValueError:
+    print("\t".join(["0"] * 5 + ["-1"])); sys.exit()
+l = r["latency_us"]
+errs = r["errors_status"] + r["errors_io"] + r["errors_timeout"] + r["not_sent"]
+print("\t".join(str(round(x)) for x in (l["p50"], l["p90"], l["p99"], l["p999"], l["max"], errs)))
+' "$out/$name.lat.json")"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$router" "$policy" "$backend" \
+    "/$endpoint" "$body" "$rps" "${non2xx:-0}" "$lat" "$((tok1 - tok0))" "$load" >>"$results"
+}
+
+want() { [[ "$1" =~ $ROWS ]]; }
+
+start_sglang() { # policy
+  "$venv/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$ROUTER" \
+    --worker-urls "http://127.0.0.1:$NG_A" "http://127.0.0.1:$NG_B" --policy "$1" \
+    --log-level warn --prometheus-host 127.0.0.1 --prometheus-port "$PROM" \
+    >"$out/sglang-$1.log" 2>&1 &
+  router_pid=$!
+  wait_http "http://127.0.0.1:$ROUTER/health" "sglang-router $1"
+}
+start_vllm() { # policy
+  "$venv/bin/vllm-router" --host 127.0.0.1 --port "$ROUTER" \
+    --worker-urls "http://127.0.0.1:$NG_A" "http://127.0.0.1:$NG_B" --policy "$1" \
+    --log-level warning --prometheus-host 127.0.0.1 --prometheus-port "$PROM" \
+    >"$out/vllm-$1.log" 2>&1 &
+  router_pid=$!
+  wait_http "http://127.0.0.1:$ROUTER/health" "vllm-router $1"
+}
+start_kvroute() { # policy worker-port-a worker-port-b
+  "$bin/kvroute" --host 127.0.0.1 --port "$ROUTER" --policy "$1" \
+    --worker-urls "http://127.0.0.1:$2" "http://127.0.0.1:$3" >"$out/kvroute-$1-$2.log" 2>&1 &
+  router_pid=$!
+  wait_http "http://127.0.0.1:$ROUTER/readyz" "kvroute $1"
+}
+kv_applied() { # sum of applied KV batches over kvroute's workers
+  curl -s "http://127.0.0.1:$ROUTER/workers" | python3 -c '
+import json, sys
+print(sum(r["applied_batches"] for w in json.load(sys.stdin)["workers"] for r in w["kv_ranks"]))'
+}
+wait_kv_applied() { # what: kvroute has applied at least one KV batch
+  local deadline=$((SECONDS + HEALTH_WAIT_S)) seen=0
+  while [ $SECONDS -lt $deadline ]; do
+    seen="$(kv_applied 2>/dev/null || echo 0)"
+    [ "${seen:-0}" -gt 0 ] && return 0
+    sleep 0.1
+  done
+  echo "timed out waiting for kvroute to apply a KV batch ($1): applied_batches=$seen" >&2
+  return 1
+}
+
+D="http://127.0.0.1:$NG_A"
+want direct-completions-ids && measure direct-completions-ids direct - nginx "$D/v1/completions" completions-ids.json
+want direct-generate-ids && measure direct-generate-ids direct - nginx "$D/generate" generate-ids.json
+want direct-generate-text && measure direct-generate-text direct - nginx "$D/generate" generate-text.json
+want direct-completions-text && measure direct-completions-text direct - nginx "$D/v1/completions" completions-text.json
+want direct-sim-completions-ids && measure direct-sim-completions-ids direct - kvroute-sim "http://127.0.0.1:$SIM_HTTP/v1/completions" completions-ids.json
+
+R="http://127.0.0.1:$ROUTER"
+for pol in round_robin cache_aware; do
+  if want "sglang-$pol"; then
+    start_sglang "$pol"
+    measure "sglang-$pol-generate-ids" sglang-router "$pol" nginx "$R/generate" generate-ids.json
+    [ "$pol" = cache_aware ] && measure "sglang-$pol-generate-text" sglang-router "$pol" nginx "$R/generate" generate-text.json
+    stop_router
+  fi
+  if want "vllm-$pol"; then
+    start_vllm "$pol"
+    measure "vllm-$pol-completions-ids" vllm-router "$pol" nginx "$R/v1/completions" completions-ids.json
+    [ "$pol" = cache_aware ] && measure "vllm-$pol-completions-text" vllm-router "$pol" nginx "$R/v1/completions" completions-text.json
+    stop_router
+  fi
+done
+
+if want kvroute-round_robin; then
+  start_kvroute round-robin "$NG_A" "$NG_B"
+  measure kvroute-round_robin-completions-ids kvroute round_robin nginx "$R/v1/completions" completions-ids.json
+  stop_router
+fi
+if want kvroute-cache_aware-nginx; then
+  start_kvroute cache-aware "$NG_A" "$NG_B"
+  # Put the prompt into the index: sim publisher engine 0 stores it and publishes the blocks,
+  # which kvroute attributes to nginx worker A (whose /server_info advertises that publisher).
+  curl -s -o /dev/null -XPOST "http://127.0.0.1:$PUB_HTTP/v1/completions" -H 'content-type: application/json' \
+    --data-binary "@$out/completions-ids.json"
+  wait_kv_applied "prompt stored by the publisher sim"
+  curl -s -D "$out/kvroute-decision-nginx.txt" -o /dev/null -XPOST "$R/v1/completions" \
+    -H 'content-type: application/json' --data-binary "@$out/completions-ids.json"
+  measure kvroute-cache_aware-nginx-completions-ids kvroute cache_aware "nginx + sim KV publishers" "$R/v1/completions" completions-ids.json
+  stop_router
+fi
+if want kvroute-cache_aware-sim; then
+  start_kvroute cache-aware "$SIM_HTTP" $((SIM_HTTP + 1))
+  curl -s -o /dev/null -XPOST "$R/v1/completions" -H 'content-type: application/json' \
+    --data-binary "@$out/completions-ids.json"
+  wait_kv_applied "prompt stored by the serving sim"
+  measure kvroute-cache_aware-sim-completions-ids kvroute cache_aware kvroute-sim "$R/v1/completions" completions-ids.json
+  stop_router
+fi
+
+# ---------------------------------------------------------------------------------- RSS run ---
+if [ "$RSS_REQUESTS" -gt 0 ] && want kvroute-rss; then
+  start_kvroute cache-aware "$NG_A" "$NG_B"
+  curl -s -o /dev/null -XPOST "http://127.0.0.1:$PUB_HTTP/v1/completions" -H 'content-type: application/json' \
+    --data-binary "@$out/completions-ids.json"
+  wait_kv_applied "prompt stored by the publisher sim (RSS run)"
+  log "RSS run: $RSS_REQUESTS requests, closed loop c=$CONNS, RSS sampled every second"
+  (
+    t=0
+    while kill -0 "$router_pid" 2>/dev/null; do
+      printf '%s\t%s\n' "$t" "$(awk '/^VmRSS/ {print $2}' "/proc/$router_pid/status")"
+      sleep 1
+      t=$((t + 1))
+    done
+  ) >"$out/rss.tsv" &
+  sampler=$!
+  "$bin/kvroute-loadgen" --url "$R/v1/completions" --body-file "$out/completions-ids.json" \
+    --connections "$CONNS" --duration-s 0 --requests "$RSS_REQUESTS" --json >"$out/rss-run.json"
+  sleep 1.5 # one more sample after the last request
+  stop_router
+  wait "$sampler" 2>/dev/null || true
+fi
+
+python3 - "$out" <<'EOF'
+import csv, json, os, sys
+out = sys.argv[1]
+rows = list(csv.DictReader(open(out + "/results.tsv"), delimiter="\t"))
+direct = {(r["backend"], r["body"]): r for r in rows if r["router"] == "direct"}
+def added(r, k):
+    base = direct.get(("kvroute-sim" if r["backend"] == "kvroute-sim" else "nginx", r["body"]))
+    if r["router"] == "direct" or base is None:
+        return ""
+    return "%+d" % (int(r[k]) - int(base[k]))
+print("| router | policy | backend | request | req/s (wrk c=32) | p50 / p99 us @%s req/s | added p50 / p99 us | errors | /tokenize calls | load avg |" % os.environ.get("RATE", "1000"))
+print("|---|---|---|---|---|---|---|---|---|---|")
+for r in rows:
+    errs = int(r["wrk_non2xx"] or 0) + int(r["lat_errors"] or 0)
+    print("| %s | %s | %s | %s %s | %s | %s / %s | %s | %d | %s | %s |" % (
+        r["router"], r["policy"], r["backend"], r["endpoint"], r["body"].replace(".json", ""),
+        f'{float(r["req_per_s"]):,.0f}' if r["req_per_s"] else "?", r["p50_us"], r["p99_us"],
+        (added(r, "p50_us") + " / " + added(r, "p99_us")) if added(r, "p50_us") else "-",
+        errs, r["tokenize_calls"], r["loadavg"]))
+rss = out + "/rss.tsv"
+if os.path.exists(rss) and os.path.exists(out + "/rss-run.json"):
+    samples = [tuple(map(int, l.split())) for l in open(rss) if l.strip() and len(l.split()) == 2]
+    run = json.load(open(out + "/rss-run.json"))
+    warm = [s for s in samples if s[0] >= 10]
+    if warm:
+        start, end, peak = warm[0][1], warm[-1][1], max(s[1] for s in warm)
+        print("\nRSS run: %d requests ok (errors %d), %.0f req/s; RSS after 10 s warm-up %.1f MB, end %.1f MB (%+.1f%%), peak %.1f MB, %d samples" % (
+            run["ok_total"], run["errors_status"] + run["errors_io"] + run["errors_timeout"],
+            run["req_per_s"], start / 1024, end / 1024, 100.0 * (end - start) / start, peak / 1024, len(samples)))
+EOF

@@ -1,0 +1,640 @@
+//! Component tests of peer bootstrap's transport over the real thing: a kvroute router (A) whose
+//! index is fed by real KV events from simulated engines (ZMQ), serving its snapshot on its
+//! internal listener over HTTP, and the fetch client pulling it and restoring it into a fresh
+//! standalone index (B).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use common::*;
+use kvroute::internal::{KV_CURSORS_PATH, KV_SNAPSHOT_PATH};
+use kvroute::peer_fetch::{FetchConfig, FetchOutcome, PeerFetcher};
+use kvroute::{PolicyKind, RouterConfig, RouterHandle};
+use kvroute_index::hash::{BASE_NAMESPACE, hash_token_blocks};
+use kvroute_index::{IndexConfig, IndexReader, PrefixIndex, PrefixMatch};
+use kvroute_sim::Fleet;
+use kvroute_snapshot::{Compression, DecodeLimits, SnapshotDecodeError};
+use kvroute_wire::snapshot::IndexSnapshot;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const TOKEN: &[u8] = b"test-internal-token-0123456789";
+
+fn a_reader(router: &RouterHandle) -> IndexReader {
+    router
+        .router
+        .kv
+        .plane()
+        .model_view("m")
+        .expect("model m has an index")
+        .reader
+}
+
+fn fetcher(token: Option<&[u8]>) -> PeerFetcher {
+    PeerFetcher::new(FetchConfig {
+        auth_token: token.map(Arc::from),
+        ..FetchConfig::from_router_config(&RouterConfig::default())
+    })
+    .unwrap()
+}
+
+/// Per rank (worker url, dp) -> (seq) of the router's index.
+fn index_cursors(reader: &IndexReader) -> BTreeMap<(String, u32), i64> {
+    reader
+        .ranks()
+        .into_iter()
+        .filter_map(|(id, r)| {
+            let c = reader.rank_stats(id)?.cursor?;
+            Some(((r.worker_url, r.dp_rank), c.seq))
+        })
+        .collect()
+}
+
+/// Waits until A's cursor of every engine rank equals the engine's last published seq. A batch
+/// lost to ZMQ's slow-joiner window is only noticed when a later one arrives, so a lagging rank
+/// gets a fresh one-block sentinel each poll (which exposes the gap and triggers replay).
+async fn wait_caught_up(router: &RouterHandle, fleet: &Fleet) {
+    let reader = a_reader(router);
+    let mut attempt = 0u32;
+    wait_until(
+        "A's cursors to reach every engine rank's last_seq",
+        WAIT_DEADLINE,
+        || {
+            attempt += 1;
+            let cursors = index_cursors(&reader);
+            let mut lagging = Vec::new();
+            for e in &fleet.engines {
+                for r in 0..e.dp_size() {
+                    let want = e.last_seq(r);
+                    let got = cursors.get(&(e.http_url(), r as u32)).copied();
+                    if got != Some(want) {
+                        lagging.push(format!("{} rank {r}: {got:?} != {want}", e.http_url()));
+                        if attempt.is_multiple_of(10) {
+                            let bs = e.block_size() as u32;
+                            let sentinel: Vec<u32> =
+                                (0..bs).map(|t| 900_000 + attempt * 64 + t).collect();
+                            e.store_chains(r, &[sentinel]);
+                        }
+                    }
+                }
+            }
+            async move {
+                if lagging.is_empty() {
+                    Ok(())
+                } else {
+                    Err(lagging.join("; "))
+                }
+            }
+        },
+    )
+    .await;
+}
+
+/// Waits until every rank's KV subscriber is connected, so stored chains are not published into
+/// the void.
+async fn wait_subscribed(router: &RouterHandle, ranks: usize) {
+    let plane = router.router.kv.plane();
+    wait_until(
+        "every rank's KV subscriber to connect",
+        WAIT_DEADLINE,
+        || {
+            let states: Vec<String> = plane
+                .rank_states()
+                .iter()
+                .map(|s| format!("{:?}", s.subscriber).to_lowercase())
+                .collect();
+            async move {
+                if states.len() == ranks && states.iter().all(|s| s == "connected") {
+                    Ok(())
+                } else {
+                    Err(format!("{states:?}"))
+                }
+            }
+        },
+    )
+    .await;
+}
+
+/// Random chains sharing prefixes (system-prompt families), stored on every rank of the fleet.
+fn store_random_chains(fleet: &Fleet, rng: &mut StdRng, per_rank: usize) -> Vec<Vec<u32>> {
+    let bs = fleet.engines[0].block_size();
+    let families: Vec<Vec<u32>> = (0..12)
+        .map(|_| {
+            let blocks = rng.random_range(1..6);
+            (0..blocks * bs)
+                .map(|_| rng.random_range(0..50_000))
+                .collect()
+        })
+        .collect();
+    let mut stored = Vec::new();
+    for e in &fleet.engines {
+        for r in 0..e.dp_size() {
+            let mut chains = Vec::new();
+            for _ in 0..per_rank {
+                let mut c = families[rng.random_range(0..families.len())].clone();
+                let extra = rng.random_range(0..8) * bs + rng.random_range(0..bs);
+                c.extend((0..extra).map(|_| rng.random_range(0..50_000u32)));
+                chains.push(c);
+            }
+            // Several batches per rank, so cursors move more than once.
+            for batch in chains.chunks(10) {
+                e.store_chains(r, batch);
+            }
+            stored.extend(chains);
+        }
+    }
+    stored
+}
+
+fn queries(stored: &[Vec<u32>], rng: &mut StdRng, count: usize, bs: usize) -> Vec<Vec<u32>> {
+    (0..count)
+        .map(|i| {
+            if i % 4 == 3 {
+                let len = rng.random_range(0..12 * bs);
+                (0..len).map(|_| rng.random_range(0..50_000u32)).collect()
+            } else {
+                let c = &stored[rng.random_range(0..stored.len())];
+                c[..rng.random_range(0..=c.len())].to_vec()
+            }
+        })
+        .collect()
+}
+
+type RankView = BTreeMap<(String, u32), (u32, u32)>;
+
+fn match_view(reader: &IndexReader, tokens: &[u32], bs: usize) -> RankView {
+    let names: BTreeMap<u32, (String, u32)> = reader
+        .ranks()
+        .into_iter()
+        .map(|(id, r)| (id.0, (r.worker_url, r.dp_rank)))
+        .collect();
+    let mut hashes = Vec::new();
+    hash_token_blocks(tokens, bs, BASE_NAMESPACE, &mut hashes);
+    let mut out = PrefixMatch::new();
+    reader.match_prefix(&hashes, &mut out);
+    out.ranks
+        .iter()
+        .map(|m| {
+            (
+                names[&m.rank.0].clone(),
+                (m.matched_blocks, m.device_blocks),
+            )
+        })
+        .collect()
+}
+
+/// Restores `snap` into a fresh index and checks every query matches there exactly as in A.
+/// Returns how many queries hit at least one rank (so the comparison is not vacuous).
+fn assert_same_matches(
+    a: &IndexReader,
+    snap: &IndexSnapshot,
+    qs: &[Vec<u32>],
+    what: &str,
+) -> usize {
+    let bs = a.config().block_size;
+    let (mut bw, b) = PrefixIndex::new(IndexConfig::new(bs));
+    bw.restore_snapshot(snap)
+        .unwrap_or_else(|e| panic!("{what}: restore failed: {e}"));
+    assert_eq!(b.node_count(), a.node_count(), "{what}: node count");
+    assert_eq!(
+        b.total_carried(),
+        a.total_carried(),
+        "{what}: carried blocks"
+    );
+    let mut hits = 0;
+    for (i, q) in qs.iter().enumerate() {
+        let va = match_view(a, q, bs as usize);
+        let vb = match_view(&b, q, bs as usize);
+        assert_eq!(va, vb, "{what}: query {i} ({} tokens) differs", q.len());
+        hits += usize::from(!va.is_empty());
+    }
+    hits
+}
+
+async fn raw_get(
+    url: &str,
+    accept: Option<&str>,
+    accept_encoding: Option<&str>,
+    token: Option<&[u8]>,
+) -> reqwest::Response {
+    let mut req = client().get(url);
+    if let Some(a) = accept {
+        req = req.header("accept", a);
+    }
+    if let Some(e) = accept_encoding {
+        req = req.header("accept-encoding", e);
+    }
+    if let Some(t) = token {
+        req = req.header(
+            "authorization",
+            format!("Bearer {}", std::str::from_utf8(t).unwrap()),
+        );
+    }
+    req.send().await.expect("request sent")
+}
+
+/// GETs the snapshot with explicit negotiation headers and decodes it the way the headers say.
+async fn get_snapshot_variant(
+    base: &str,
+    accept: Option<&str>,
+    accept_encoding: Option<&str>,
+) -> (IndexSnapshot, String, Option<String>, Option<String>) {
+    let resp = raw_get(
+        &format!("{base}{KV_SNAPSHOT_PATH}"),
+        accept,
+        accept_encoding,
+        None,
+    )
+    .await;
+    assert_eq!(resp.status(), 200, "snapshot status");
+    let h = |n: &str| {
+        resp.headers()
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let ctype = h("content-type").unwrap_or_default();
+    let cenc = h("content-encoding");
+    let inner = h("x-kvroute-snapshot-compression");
+    let body = resp.bytes().await.unwrap();
+    let compression = match cenc.as_deref() {
+        Some("zstd") => Compression::Zstd,
+        Some("gzip") => Compression::Gzip,
+        None => Compression::None,
+        Some(other) => panic!("unexpected content-encoding {other}"),
+    };
+    let plain = kvroute_snapshot::decompress_bounded(&body, compression, 1 << 30).unwrap();
+    let limits = DecodeLimits::default();
+    let snap = if ctype == kvroute_snapshot::BINARY_CONTENT_TYPE {
+        kvroute_snapshot::decode_binary(&plain, &limits, None).unwrap()
+    } else {
+        kvroute_snapshot::decode_json(&plain, &limits).unwrap()
+    };
+    (snap, ctype, cenc, inner)
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} not found in:\n{text}"))
+}
+
+async fn metrics_text(router: &RouterHandle) -> String {
+    client()
+        .get(format!("{}/metrics", router.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// A fleet, a router A over it, and random chains stored and indexed.
+async fn warm_router(
+    engines: usize,
+    dp: usize,
+    per_rank: usize,
+    config: impl FnOnce(&mut RouterConfig),
+) -> (Fleet, RouterHandle, Vec<Vec<u32>>) {
+    let fleet = fleet(engines, dp, "m").await;
+    let mut cfg = router_config(&urls(&fleet));
+    config(&mut cfg);
+    let router = kvroute::serve(cfg).await.unwrap();
+    wait_subscribed(&router, engines * dp).await;
+    let mut rng = StdRng::seed_from_u64(5);
+    let stored = store_random_chains(&fleet, &mut rng, per_rank);
+    wait_caught_up(&router, &fleet).await;
+    (fleet, router, stored)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restored_snapshot_matches_the_producer_index_in_every_encoding() {
+    let (fleet, router, stored) = warm_router(2, 2, 60, |_| {}).await;
+    let a = a_reader(&router);
+    let bs = a.config().block_size as usize;
+    let mut rng = StdRng::seed_from_u64(9);
+    let qs = queries(&stored, &mut rng, 2_000, bs);
+    let base = router.internal_url();
+
+    // The fetch client: binary, zstd inside the envelope.
+    let snap = match fetcher(None).fetch_snapshot(&base, Some("m"), None).await {
+        FetchOutcome::Body(s) => s,
+        other => panic!("fetch failed: {other:?}"),
+    };
+    assert!(snap.producer_ready, "A is ready and has cursors");
+    assert_eq!(snap.cursors.len(), 4, "every rank has a cursor");
+    assert_eq!(snap.block_size as usize, bs);
+    let hits = assert_same_matches(&a, &snap, &qs, "fetch client (binary+zstd)");
+    assert!(
+        hits > 1_000,
+        "only {hits} of 2000 queries hit; the comparison is too weak"
+    );
+
+    for (accept, enc, want_ctype, want_cenc, want_inner) in [
+        (
+            Some("application/x-kvroute-snapshot"),
+            Some("gzip"),
+            "application/x-kvroute-snapshot",
+            None,
+            Some("gzip"),
+        ),
+        (
+            Some("application/x-kvroute-snapshot"),
+            None,
+            "application/x-kvroute-snapshot",
+            None,
+            Some("identity"),
+        ),
+        (None, None, "application/json", None, None),
+        (
+            Some("*/*"),
+            Some("gzip, zstd"),
+            "application/json",
+            Some("zstd"),
+            None,
+        ),
+        (
+            Some("application/json"),
+            Some("gzip"),
+            "application/json",
+            Some("gzip"),
+            None,
+        ),
+    ] {
+        let (snap, ctype, cenc, inner) = get_snapshot_variant(&base, accept, enc).await;
+        let what = format!("accept {accept:?} accept-encoding {enc:?}");
+        assert_eq!(ctype, want_ctype, "{what}");
+        assert_eq!(cenc.as_deref(), want_cenc, "{what}");
+        assert_eq!(inner.as_deref(), want_inner, "{what}");
+        assert_same_matches(&a, &snap, &qs, &what);
+    }
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_internal_token_is_required_and_a_foreign_mac_key_is_refused() {
+    let (fleet, router, _) = warm_router(1, 2, 10, |c| {
+        c.internal_auth_token = Some(Arc::from(TOKEN));
+    })
+    .await;
+    let url = format!("{}{KV_SNAPSHOT_PATH}", router.internal_url());
+    let bin = Some("application/x-kvroute-snapshot");
+    assert_eq!(raw_get(&url, bin, None, None).await.status(), 401);
+    assert_eq!(
+        raw_get(&url, bin, None, Some(b"test-internal-token-0123456780"))
+            .await
+            .status(),
+        401
+    );
+    let cursors_url = format!("{}{KV_CURSORS_PATH}", router.internal_url());
+    assert_eq!(raw_get(&cursors_url, None, None, None).await.status(), 401);
+    let ok = raw_get(&url, bin, Some("zstd"), Some(TOKEN)).await;
+    assert_eq!(ok.status(), 200);
+    let body = ok.bytes().await.unwrap();
+    // Signed with the token: verifies under it, refused under any other key.
+    let limits = DecodeLimits::default();
+    assert!(kvroute_snapshot::decode_binary(&body, &limits, Some(TOKEN)).is_ok());
+    assert_eq!(
+        kvroute_snapshot::decode_binary(&body, &limits, Some(b"another-key-0123456789"))
+            .unwrap_err(),
+        SnapshotDecodeError::MacMismatch
+    );
+    match fetcher(Some(TOKEN))
+        .fetch_snapshot(&router.internal_url(), None, None)
+        .await
+    {
+        FetchOutcome::Body(s) => assert!(!s.nodes.is_empty()),
+        other => panic!("authorised fetch failed: {other:?}"),
+    }
+    match fetcher(Some(b"another-key-0123456789"))
+        .fetch_snapshot(&router.internal_url(), None, None)
+        .await
+    {
+        FetchOutcome::Status(401) => {}
+        other => panic!("a wrong token must be a 401, got {other:?}"),
+    }
+    // The public port does not serve the internal endpoints, token or not.
+    for path in [KV_SNAPSHOT_PATH, KV_CURSORS_PATH] {
+        let public = raw_get(&format!("{}{path}", router.url()), bin, None, Some(TOKEN)).await;
+        assert!(
+            public.status().is_client_error(),
+            "public port answered {} for {path}",
+            public.status()
+        );
+        assert_ne!(
+            public
+                .headers()
+                .get("content-type")
+                .and_then(|v| v.to_str().ok()),
+            Some("application/x-kvroute-snapshot")
+        );
+    }
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_with_a_key_refuses_an_unsigned_snapshot() {
+    let (fleet, router, _) = warm_router(1, 1, 5, |_| {}).await;
+    match fetcher(Some(TOKEN))
+        .fetch_snapshot(&router.internal_url(), None, None)
+        .await
+    {
+        FetchOutcome::MacRefused(reason) => assert!(reason.contains("no MAC"), "{reason}"),
+        other => panic!("an unsigned snapshot must be refused, got {other:?}"),
+    }
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cursor_table_reports_every_ranks_last_applied_batch() {
+    let (fleet, router, _) = warm_router(2, 2, 5, |_| {}).await;
+    let table = match fetcher(None)
+        .fetch_cursors(&router.internal_url(), Some("m"))
+        .await
+    {
+        FetchOutcome::Body(t) => t,
+        other => panic!("cursor fetch failed: {other:?}"),
+    };
+    assert_eq!(table.ranks.len(), 4);
+    assert_eq!(table.cursors.len(), 4);
+    for c in &table.cursors {
+        let r = &table.ranks[c.rank as usize];
+        let engine = fleet
+            .engines
+            .iter()
+            .find(|e| e.http_url() == r.worker_url)
+            .expect("rank names a fleet engine");
+        assert_eq!(c.seq, engine.last_seq(r.dp_rank as usize), "{r:?}");
+    }
+    // An unknown model is a 404, unknown query parameters are ignored.
+    match fetcher(None)
+        .fetch_cursors(&router.internal_url(), Some("nope"))
+        .await
+    {
+        FetchOutcome::Status(404) => {}
+        other => panic!("unknown model must be 404, got {other:?}"),
+    }
+    let resp = raw_get(
+        &format!(
+            "{}{KV_CURSORS_PATH}?model=m&whatever=1",
+            router.internal_url()
+        ),
+        None,
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_export_is_reused_within_max_age_and_rebuilt_past_it() {
+    let (fleet, router, _) = warm_router(1, 2, 5, |_| {}).await;
+    let base = router.internal_url();
+    let builds = |t: &str| metric(t, "kvroute_snapshot_builds_total");
+    assert_eq!(builds(&metrics_text(&router).await), 0.0);
+    let f = fetcher(None);
+    assert!(matches!(
+        f.fetch_snapshot(&base, None, None).await,
+        FetchOutcome::Body(_)
+    ));
+    assert_eq!(builds(&metrics_text(&router).await), 1.0);
+    // Default max age (2 s) and an absurd one both reuse the export just built.
+    assert!(matches!(
+        f.fetch_snapshot(&base, None, None).await,
+        FetchOutcome::Body(_)
+    ));
+    assert!(matches!(
+        f.fetch_snapshot(&base, None, Some(u64::MAX)).await,
+        FetchOutcome::Body(_)
+    ));
+    let text = metrics_text(&router).await;
+    assert_eq!(builds(&text), 1.0);
+    assert_eq!(metric(&text, "kvroute_snapshot_cache_hits_total"), 2.0);
+    // max_age_ms=0 needs data sampled after the request arrived: a rebuild.
+    assert!(matches!(
+        f.fetch_snapshot(&base, None, Some(0)).await,
+        FetchOutcome::Body(_)
+    ));
+    assert_eq!(builds(&metrics_text(&router).await), 2.0);
+    // Unknown parameters are ignored; a malformed max_age_ms is a 400.
+    let url = format!("{base}{KV_SNAPSHOT_PATH}?foo=bar&max_age_ms=60000");
+    assert_eq!(raw_get(&url, None, None, None).await.status(), 200);
+    let url = format!("{base}{KV_SNAPSHOT_PATH}?max_age_ms=-5");
+    assert_eq!(raw_get(&url, None, None, None).await.status(), 400);
+    assert_eq!(builds(&metrics_text(&router).await), 2.0);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_share_one_build() {
+    let (fleet, router, _) = warm_router(1, 2, 30, |_| {}).await;
+    let base = router.internal_url();
+    let f = fetcher(None);
+    let results =
+        futures::future::join_all((0..8).map(|_| f.fetch_snapshot(&base, None, None))).await;
+    for r in &results {
+        assert!(matches!(r, FetchOutcome::Body(_)), "{r:?}");
+    }
+    let text = metrics_text(&router).await;
+    assert_eq!(metric(&text, "kvroute_snapshot_builds_total"), 1.0);
+    assert_eq!(metric(&text, "kvroute_snapshot_cache_hits_total"), 7.0);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_index_is_404_and_an_index_without_any_cursor_is_503() {
+    let fleet = fleet(1, 1, "m").await;
+    // Not cache-aware: this replica keeps no index to share.
+    let rr = kvroute::serve(RouterConfig {
+        policy: PolicyKind::RoundRobin,
+        ..router_config(&urls(&fleet))
+    })
+    .await
+    .unwrap();
+    match fetcher(None)
+        .fetch_snapshot(&rr.internal_url(), None, None)
+        .await
+    {
+        FetchOutcome::Status(404) => {}
+        other => panic!("expected 404, got {other:?}"),
+    }
+    rr.shutdown().await;
+    // Cache-aware, subscribed, but no engine has published anything: not ready.
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    wait_subscribed(&router, 1).await;
+    let resp = raw_get(
+        &format!("{}{KV_SNAPSHOT_PATH}", router.internal_url()),
+        None,
+        None,
+        None,
+    )
+    .await;
+    assert_eq!(resp.status(), 503);
+    assert!(resp.headers().get("retry-after").is_some());
+    match fetcher(None)
+        .fetch_cursors(&router.internal_url(), None)
+        .await
+    {
+        FetchOutcome::Status(503) => {}
+        other => panic!("expected 503, got {other:?}"),
+    }
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_over_the_byte_limit_is_refused_with_507() {
+    let (fleet, router, _) = warm_router(1, 1, 20, |c| c.kv_snapshot_max_bytes = 256).await;
+    let url = format!("{}{KV_SNAPSHOT_PATH}", router.internal_url());
+    for accept in [None, Some("application/x-kvroute-snapshot")] {
+        let resp = raw_get(&url, accept, None, None).await;
+        assert_eq!(resp.status(), 507, "accept {accept:?}");
+    }
+    let text = metrics_text(&router).await;
+    assert!(
+        text.contains("kvroute_snapshot_refused_total{reason=\"too_large\"} 2"),
+        "{text}"
+    );
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_static_peer_list_without_self_appears_in_metrics() {
+    use clap::Parser;
+    let cli = kvroute::config::Cli::parse_from([
+        "kvroute",
+        "--port",
+        "0",
+        "--kv-peers",
+        "http://10.0.0.1:8081,http://10.0.0.2:8081,http://10.0.0.3:8081",
+        "--advertise-url",
+        "http://10.0.0.2:8081",
+    ]);
+    let cfg = cli.serve.into_config().unwrap();
+    let router = kvroute::serve(cfg).await.unwrap();
+    let text = metrics_text(&router).await;
+    assert_eq!(metric(&text, "kvroute_peers"), 2.0);
+    assert_eq!(metric(&text, "kvroute_peers_synced"), 1.0);
+    let peers: Vec<String> = router
+        .router
+        .peers
+        .candidates()
+        .iter()
+        .map(|p| p.as_str().to_string())
+        .collect();
+    assert!(!peers.iter().any(|p| p.contains("10.0.0.2")), "{peers:?}");
+    assert_ne!(router.internal_addr, router.addr);
+    router.shutdown().await;
+}
