@@ -105,7 +105,7 @@ ROUTER=$((PORT_BASE + 301)); PROM=$((PORT_BASE + 401))
 wait_http() { # url what: polls until HTTP 200 or fails naming what was awaited and the last code
   local url="$1" what="$2" code="" deadline=$((SECONDS + HEALTH_WAIT_S))
   while [ $SECONDS -lt $deadline ]; do
-    code="$(curl -s -o /dev/null -w '%{http_code}' "$url" 2>/dev/null || true)"
+    code="$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "$url" 2>/dev/null || true)"
     [ "$code" = 200 ] && return 0
     sleep 0.1
   done
@@ -113,7 +113,7 @@ wait_http() { # url what: polls until HTTP 200 or fails naming what was awaited 
   return 1
 }
 
-# ------------------------------------------------------------------------------------ nginx ---
+# ------------------------------------------------------------------------- backends (nginx, sims) ---
 ng="$out/nginx"
 mkdir -p "$ng"/{body,proxy,fastcgi,uwsgi,scgi}
 sed -e "s|@PREFIX@|$ng|g" "$root/bench/nginx-common-locations.conf" >"$ng/common-locations.conf"
@@ -121,21 +121,38 @@ sed -e "s|@PREFIX@|$ng|g" -e "s|@PORT_A@|$NG_A|" -e "s|@PORT_B@|$NG_B|" \
   -e "s|@KV_PORT_A@|$PUB_KV|" -e "s|@KV_PORT_B@|$((PUB_KV + 1))|" \
   -e "s|@REPLAY_PORT_A@|$PUB_REPLAY|" -e "s|@REPLAY_PORT_B@|$((PUB_REPLAY + 1))|" \
   "$root/bench/nginx-backend.conf.in" >"$ng/nginx.conf"
-nginx -p "$ng" -c "$ng/nginx.conf" -g 'daemon off;' >"$ng/stdout.log" 2>&1 &
-nginx_pid=$!
-wait_http "http://127.0.0.1:$NG_A/health" "nginx worker A"
-wait_http "http://127.0.0.1:$NG_B/health" "nginx worker B"
-
-# ------------------------------------------------------------------------------------- sims ---
-"$bin/kvroute-sim" --engines 2 --instant --port "$PUB_HTTP" --kv-port-base "$PUB_KV" \
-  --replay-port-base "$PUB_REPLAY" --load-port-base "$PUB_LOAD" >"$out/sim-publishers.log" 2>&1 &
-pids+=($!)
-"$bin/kvroute-sim" --engines 2 --instant --port "$SIM_HTTP" --kv-port-base "$SIM_KV" \
-  --replay-port-base "$SIM_REPLAY" --load-port-base "$SIM_LOAD" >"$out/sim-serving.log" 2>&1 &
-pids+=($!)
-for p in "$PUB_HTTP" $((PUB_HTTP + 1)) "$SIM_HTTP" $((SIM_HTTP + 1)); do
-  wait_http "http://127.0.0.1:$p/health" "kvroute-sim engine on $p"
-done
+sim_pub_pid=""; sim_serv_pid=""; backend_restarts=0
+alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
+# (Re)starts whichever backend is not running. Other jobs on a shared machine have been seen
+# to stop these processes mid-run; a row must never be measured against a dead backend, so every
+# row calls this first and the number of restarts is reported with the results.
+ensure_backends() {
+  if ! alive "$nginx_pid"; then
+    [ -n "$nginx_pid" ] && backend_restarts=$((backend_restarts + 1)) && log "nginx had stopped; restarting"
+    nginx -p "$ng" -c "$ng/nginx.conf" -g 'daemon off;' >>"$ng/stdout.log" 2>&1 &
+    nginx_pid=$!
+  fi
+  if ! alive "$sim_pub_pid"; then
+    [ -n "$sim_pub_pid" ] && backend_restarts=$((backend_restarts + 1)) && log "publisher sims had stopped; restarting"
+    "$bin/kvroute-sim" --engines 2 --instant --port "$PUB_HTTP" --kv-port-base "$PUB_KV" \
+      --replay-port-base "$PUB_REPLAY" --load-port-base "$PUB_LOAD" >>"$out/sim-publishers.log" 2>&1 &
+    sim_pub_pid=$!
+    pids+=("$sim_pub_pid")
+  fi
+  if ! alive "$sim_serv_pid"; then
+    [ -n "$sim_serv_pid" ] && backend_restarts=$((backend_restarts + 1)) && log "serving sims had stopped; restarting"
+    "$bin/kvroute-sim" --engines 2 --instant --port "$SIM_HTTP" --kv-port-base "$SIM_KV" \
+      --replay-port-base "$SIM_REPLAY" --load-port-base "$SIM_LOAD" >>"$out/sim-serving.log" 2>&1 &
+    sim_serv_pid=$!
+    pids+=("$sim_serv_pid")
+  fi
+  wait_http "http://127.0.0.1:$NG_A/health" "nginx worker A"
+  wait_http "http://127.0.0.1:$NG_B/health" "nginx worker B"
+  for p in "$PUB_HTTP" $((PUB_HTTP + 1)) "$SIM_HTTP" $((SIM_HTTP + 1)); do
+    wait_http "http://127.0.0.1:$p/health" "kvroute-sim engine on $p"
+  done
+}
+ensure_backends
 
 # ------------------------------------------------------------------------------------- rows ---
 results="$out/results.tsv"
@@ -154,6 +171,7 @@ measure() { # name router policy backend url body
   local name="$1" router="$2" policy="$3" backend="$4" url="$5" body="$6"
   local endpoint="${url#http://*/}"
   local load tok0 tok1 wrk_out rps non2xx lat
+  ensure_backends
   load="$(cut -d' ' -f1-3 /proc/loadavg)"
   tok0="$(wc -l <"$ng/tokenize.log" 2>/dev/null || echo 0)"
   log "$name: wrk -t2 -c$CONNS -d${THROUGHPUT_S}s ($router $policy, $body, load $load)"
@@ -184,6 +202,7 @@ print("\t".join(str(round(x)) for x in (l["p50"], l["p90"], l["p99"], l["p999"],
 want() { [[ "$1" =~ $ROWS ]]; }
 
 start_sglang() { # policy
+  ensure_backends
   "$venv/bin/python" -m sglang_router.launch_router --host 127.0.0.1 --port "$ROUTER" \
     --worker-urls "http://127.0.0.1:$NG_A" "http://127.0.0.1:$NG_B" --policy "$1" \
     --log-level warn --prometheus-host 127.0.0.1 --prometheus-port "$PROM" \
@@ -192,6 +211,7 @@ start_sglang() { # policy
   wait_http "http://127.0.0.1:$ROUTER/health" "sglang-router $1"
 }
 start_vllm() { # policy
+  ensure_backends
   "$venv/bin/vllm-router" --host 127.0.0.1 --port "$ROUTER" \
     --worker-urls "http://127.0.0.1:$NG_A" "http://127.0.0.1:$NG_B" --policy "$1" \
     --log-level warning --prometheus-host 127.0.0.1 --prometheus-port "$PROM" \
@@ -200,13 +220,14 @@ start_vllm() { # policy
   wait_http "http://127.0.0.1:$ROUTER/health" "vllm-router $1"
 }
 start_kvroute() { # policy worker-port-a worker-port-b
+  ensure_backends
   "$bin/kvroute" --host 127.0.0.1 --port "$ROUTER" --policy "$1" \
     --worker-urls "http://127.0.0.1:$2" "http://127.0.0.1:$3" >"$out/kvroute-$1-$2.log" 2>&1 &
   router_pid=$!
   wait_http "http://127.0.0.1:$ROUTER/readyz" "kvroute $1"
 }
 kv_applied() { # sum of applied KV batches over kvroute's workers
-  curl -s "http://127.0.0.1:$ROUTER/workers" | python3 -c '
+  curl -s --max-time 2 "http://127.0.0.1:$ROUTER/workers" | python3 -c '
 import json, sys
 print(sum(r["applied_batches"] for w in json.load(sys.stdin)["workers"] for r in w["kv_ranks"]))'
 }
@@ -253,17 +274,17 @@ if want kvroute-cache_aware-nginx; then
   start_kvroute cache-aware "$NG_A" "$NG_B"
   # Put the prompt into the index: sim publisher engine 0 stores it and publishes the blocks,
   # which kvroute attributes to nginx worker A (whose /server_info advertises that publisher).
-  curl -s -o /dev/null -XPOST "http://127.0.0.1:$PUB_HTTP/v1/completions" -H 'content-type: application/json' \
+  curl -s --max-time 10 -o /dev/null -XPOST "http://127.0.0.1:$PUB_HTTP/v1/completions" -H 'content-type: application/json' \
     --data-binary "@$out/completions-ids.json"
   wait_kv_applied "prompt stored by the publisher sim"
-  curl -s -D "$out/kvroute-decision-nginx.txt" -o /dev/null -XPOST "$R/v1/completions" \
+  curl -s --max-time 10 -D "$out/kvroute-decision-nginx.txt" -o /dev/null -XPOST "$R/v1/completions" \
     -H 'content-type: application/json' --data-binary "@$out/completions-ids.json"
   measure kvroute-cache_aware-nginx-completions-ids kvroute cache_aware "nginx + sim KV publishers" "$R/v1/completions" completions-ids.json
   stop_router
 fi
 if want kvroute-cache_aware-sim; then
   start_kvroute cache-aware "$SIM_HTTP" $((SIM_HTTP + 1))
-  curl -s -o /dev/null -XPOST "$R/v1/completions" -H 'content-type: application/json' \
+  curl -s --max-time 10 -o /dev/null -XPOST "$R/v1/completions" -H 'content-type: application/json' \
     --data-binary "@$out/completions-ids.json"
   wait_kv_applied "prompt stored by the serving sim"
   measure kvroute-cache_aware-sim-completions-ids kvroute cache_aware kvroute-sim "$R/v1/completions" completions-ids.json
@@ -273,7 +294,7 @@ fi
 # ---------------------------------------------------------------------------------- RSS run ---
 if [ "$RSS_REQUESTS" -gt 0 ] && want kvroute-rss; then
   start_kvroute cache-aware "$NG_A" "$NG_B"
-  curl -s -o /dev/null -XPOST "http://127.0.0.1:$PUB_HTTP/v1/completions" -H 'content-type: application/json' \
+  curl -s --max-time 10 -o /dev/null -XPOST "http://127.0.0.1:$PUB_HTTP/v1/completions" -H 'content-type: application/json' \
     --data-binary "@$out/completions-ids.json"
   wait_kv_applied "prompt stored by the publisher sim (RSS run)"
   log "RSS run: $RSS_REQUESTS requests, closed loop c=$CONNS, RSS sampled every second"
@@ -290,9 +311,11 @@ if [ "$RSS_REQUESTS" -gt 0 ] && want kvroute-rss; then
     --connections "$CONNS" --duration-s 0 --requests "$RSS_REQUESTS" --json >"$out/rss-run.json"
   sleep 1.5 # one more sample after the last request
   stop_router
+  echo "backend restarts during the RSS run or earlier: $backend_restarts" >"$out/rss-notes.txt"
   wait "$sampler" 2>/dev/null || true
 fi
 
+echo "$backend_restarts" >"$out/backend-restarts.txt"
 python3 - "$out" <<'EOF'
 import csv, json, os, sys
 out = sys.argv[1]
@@ -312,6 +335,7 @@ for r in rows:
         f'{float(r["req_per_s"]):,.0f}' if r["req_per_s"] else "?", r["p50_us"], r["p99_us"],
         (added(r, "p50_us") + " / " + added(r, "p99_us")) if added(r, "p50_us") else "-",
         errs, r["tokenize_calls"], r["loadavg"]))
+print("\nbackend restarts during the run: " + open(out + "/backend-restarts.txt").read().strip())
 rss = out + "/rss.tsv"
 if os.path.exists(rss) and os.path.exists(out + "/rss-run.json"):
     samples = [tuple(map(int, l.split())) for l in open(rss) if l.strip() and len(l.split()) == 2]

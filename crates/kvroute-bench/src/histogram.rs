@@ -31,7 +31,11 @@ impl Default for Histogram {
 }
 
 const fn bucket_of(v: u64) -> usize {
-    let v = if v > MAX_TRACKED_NS { MAX_TRACKED_NS } else { v };
+    let v = if v > MAX_TRACKED_NS {
+        MAX_TRACKED_NS
+    } else {
+        v
+    };
     if v < EXACT_BELOW_NS {
         return v as usize;
     }
@@ -124,14 +128,21 @@ mod tests {
         for us in 1..=100_000u64 {
             h.record(us * 1_000);
         }
-        for (q, exact) in [(0.5, 50_000_000u64), (0.99, 99_000_000), (0.999, 99_900_000)] {
+        for (q, exact) in [
+            (0.5, 50_000_000u64),
+            (0.99, 99_000_000),
+            (0.999, 99_900_000),
+        ] {
             let got = h.quantile_ns(q);
             let err = (got as f64 - exact as f64).abs() / exact as f64;
             assert!(
                 err <= 1.0 / SUB_BUCKETS as f64,
                 "q={q}: got {got}, exact {exact}, err {err}"
             );
-            assert!(got >= exact, "quantiles must not understate: q={q} got {got}");
+            assert!(
+                got >= exact,
+                "quantiles must not understate: q={q} got {got}"
+            );
         }
         assert_eq!(h.quantile_ns(1.0), 100_000_000);
         assert_eq!(h.count(), 100_000);
@@ -159,6 +170,25 @@ mod tests {
             if hi < MAX_TRACKED_NS {
                 assert_eq!(bucket_of(hi + 1), b + 1, "value after bucket {b}'s edge");
             }
+        }
+    }
+
+    #[test]
+    fn quantiles_never_decrease_as_q_grows() {
+        let mut h = Histogram::new();
+        // A spread of magnitudes, as a latency distribution with a long tail has.
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        for _ in 0..50_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            h.record(100 + x % (1 << (10 + x % 20)));
+        }
+        let mut last = 0;
+        for i in 0..=1_000 {
+            let q = h.quantile_ns(i as f64 / 1_000.0);
+            assert!(q >= last, "quantile {} = {q} below the previous {last}", i);
+            last = q;
         }
     }
 

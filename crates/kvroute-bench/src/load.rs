@@ -112,13 +112,17 @@ pub fn read_body_file(path: &str) -> Result<Bytes, LoadError> {
         path: path.to_string(),
         reason,
     };
-    let len = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?.len();
+    let len = std::fs::metadata(path)
+        .map_err(|e| bad(e.to_string()))?
+        .len();
     if len > MAX_REQUEST_BODY_BYTES {
         return Err(bad(format!(
             "{len} bytes exceeds MAX_REQUEST_BODY_BYTES {MAX_REQUEST_BODY_BYTES}"
         )));
     }
-    Ok(Bytes::from(std::fs::read(path).map_err(|e| bad(e.to_string()))?))
+    Ok(Bytes::from(
+        std::fs::read(path).map_err(|e| bad(e.to_string()))?,
+    ))
 }
 
 #[derive(Debug, Clone)]
@@ -386,7 +390,8 @@ pub async fn run(cfg: LoadConfig) -> Result<Report, LoadError> {
         Mode::Open { rate_per_s } => {
             let (tx, rx) = tokio::sync::mpsc::channel(cfg.connections);
             let stop_at = deadline + Duration::from_millis(OPEN_LOOP_DRAIN_GRACE_MS);
-            let t = std::thread::spawn(move || pacer(start, rate_per_s, schedule_total, stop_at, tx));
+            let t =
+                std::thread::spawn(move || pacer(start, rate_per_s, schedule_total, stop_at, tx));
             (Some(tokio::sync::Mutex::new(rx)), Some(t))
         }
         Mode::Closed => (None, None),

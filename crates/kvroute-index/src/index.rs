@@ -651,6 +651,13 @@ impl Shared {
         )
     }
 
+    /// Read guards on every shard, for the writer to resolve many side map keys (a side map
+    /// rehash) without a lock round trip per key. Readers are not blocked by them; only the
+    /// caller (the writer) must not take a write lock while they live.
+    fn read_all(&self) -> Vec<parking_lot::RwLockReadGuard<'_, Shard>> {
+        self.shards.iter().map(|s| s.read()).collect()
+    }
+
     /// The engine hash of `rank`'s carrier at `node_ref`: how the writer reads a side map key.
     /// `held` is the shard whose write guard the caller holds (read through the guard: taking
     /// its read lock on the same thread would deadlock); any other shard is read-locked briefly.
@@ -727,6 +734,29 @@ fn side_put(
             None
         }
     }
+}
+
+/// Makes room for `additional` inserts. A rehash reads every entry's key from its node, so it
+/// runs under read guards on all shards taken once (the caller holds no shard lock).
+fn side_reserve(side: &mut HashTable<u32>, additional: usize, shared: &Shared, rank: u32) {
+    if side.capacity() - side.len() >= additional {
+        return;
+    }
+    let guards = shared.read_all();
+    side.reserve(additional, |&r| {
+        mix_engine(engine_in(shared, &guards, r, rank).unwrap_or(0))
+    });
+}
+
+/// [`Shared::engine_at`] through guards from [`Shared::read_all`].
+fn engine_in(
+    shared: &Shared,
+    guards: &[parking_lot::RwLockReadGuard<'_, Shard>],
+    node_ref: u32,
+    rank: u32,
+) -> Option<u64> {
+    let (s, idx) = shared.split_ref(node_ref);
+    guards.get(s)?.carrier_engine(idx, rank)
 }
 
 /// Removes `node_ref`'s entry filed under `engine`. Matching by node ref alone is exact because a
@@ -1049,9 +1079,7 @@ impl IndexWriter {
         };
         // Grow the side map BEFORE the shard write lock: a rehash reads every entry's node
         // (the key lives there), which must not stretch the time readers wait on the lock.
-        wr.side.reserve(n, |&r| {
-            mix_engine(shared.engine_at(r, rank.0, None).unwrap_or(0))
-        });
+        side_reserve(&mut wr.side, n, &shared, rank.0);
         let clock = shared.clock.load(Relaxed);
         let mut delta = Delta::default();
         let mut displaced: Vec<(u64, u32)> = Vec::new();
@@ -1292,22 +1320,20 @@ impl IndexWriter {
             side_remove_if(&mut wr.side, old, node_ref);
         }
         let shared = &self.shared;
-        wr.side.reserve(entries.len(), |&r| {
-            mix_engine(shared.engine_at(r, rank.0, None).unwrap_or(0))
-        });
+        side_reserve(&mut wr.side, entries.len(), shared, rank.0);
+        // Keys are read through nodes; one set of guards for the whole rank saves a lock round
+        // trip per read (the restore holds no shard lock here).
+        let guards = shared.read_all();
+        let engine_of = |r: u32| engine_in(shared, &guards, r, rank.0);
         // A node whose carrier changed engine hash during this restore (listed in `displaced`)
         // may hold a later hash than an entry names; filing it under a stale hash would break
         // the side map invariant, so those entries are checked against the carrier first.
         let changed: hashbrown::HashSet<u32> = displaced.iter().map(|&(_, r)| r).collect();
         for &(engine, node_ref) in entries {
-            if changed.contains(&node_ref)
-                && shared.engine_at(node_ref, rank.0, None) != Some(engine)
-            {
+            if changed.contains(&node_ref) && engine_of(node_ref) != Some(engine) {
                 continue;
             }
-            side_put(&mut wr.side, engine, node_ref, |r| {
-                shared.engine_at(r, rank.0, None)
-            });
+            side_put(&mut wr.side, engine, node_ref, engine_of);
         }
     }
 

@@ -92,18 +92,29 @@ impl HashSlots {
         if self.len == 0 {
             return None;
         }
-        let key = hash & TAG_MASK;
+        // Slot values sort like their tags, so the slots with this tag are exactly those in
+        // `lo..=hi`; smaller ones are skipped with one comparison each (EMPTY is above any hi
+        // except the all-ones tag's, hence its own check).
+        let lo = hash & TAG_MASK;
+        let hi = lo | !TAG_MASK;
         let mut pos = self.home(hash);
-        while let Some(&s) = self.slots.get(pos) {
-            if s == EMPTY || s & TAG_MASK > key {
+        loop {
+            let s = *self.slots.get(pos)?;
+            if s >= lo {
+                break;
+            }
+            pos += 1;
+        }
+        loop {
+            let s = *self.slots.get(pos)?;
+            if s > hi || s == EMPTY {
                 return None;
             }
-            if s & TAG_MASK == key && hash_at(idx_of(s)) == hash {
+            if hash_at(idx_of(s)) == hash {
                 return Some(pos);
             }
             pos += 1;
         }
-        None
     }
 
     /// The slab index stored for `hash`; `hash_at(idx)` yields a stored node's full hash.

@@ -12,7 +12,8 @@
 //!    `encode_variant` path, and the wire bytes per carried block of binary+zstd vs JSON;
 //! 2. `hash_token_blocks` + `match_prefix` latency percentiles on one thread with no export
 //!    running, then with another thread exporting and encoding (binary+zstd) in a loop, in the
-//!    same run, alternating phases so machine noise hits both.
+//!    same run, alternating phases so machine noise hits both. A "without" phase starts only
+//!    once the exporter is idle, so an export finishing late cannot leak into it.
 
 use std::io::Write;
 use std::sync::Arc;
@@ -34,7 +35,7 @@ const BLOCKS_PER_RANK: u64 = 100_000;
 const SYSTEM_PROMPTS: u32 = 300;
 const BLOCKS_PER_EVENT: usize = 16;
 const QUERY_BLOCKS: usize = 512;
-const QUERIES_PER_PHASE: usize = 20_000;
+const QUERIES_PER_PHASE: usize = 40_000;
 const PHASE_PAIRS: usize = 3;
 const EXPORT_RUNS: usize = 3;
 
@@ -42,6 +43,15 @@ fn token(seed: u64, pos: u64) -> u32 {
     let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ pos.wrapping_mul(0xD6E8_FEB8_6659_FD93);
     z ^= z >> 32;
     (z % 128_000) as u32
+}
+
+/// A well-mixed 64-bit value: engine block hashes are random-looking on the wire, and sequential
+/// ones would compress to nothing and flatter the byte figure.
+fn mix64(seed: u64, pos: u64) -> u64 {
+    let mut z = seed ^ pos.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 fn prompt_blocks(p: u32) -> usize {
@@ -97,7 +107,7 @@ fn build_index() -> (IndexReader, Vec<Conv>) {
                     for start in (0..n).step_by(BLOCKS_PER_EVENT) {
                         let k = BLOCKS_PER_EVENT.min(n - start);
                         let hashes: Vec<EngineHash> = (0..k)
-                            .map(|i| EngineHash(prompt_seed(p) << 12 | (start + i) as u64))
+                            .map(|i| EngineHash(mix64(prompt_seed(p), (start + i) as u64)))
                             .collect();
                         let tokens = (0..(k * BLOCK_SIZE as usize) as u64)
                             .map(|t| token(prompt_seed(p), start as u64 * 16 + t))
@@ -121,7 +131,7 @@ fn build_index() -> (IndexReader, Vec<Conv>) {
                 let hashes: Vec<EngineHash> = (0..k)
                     .map(|_| {
                         next_hash += 1;
-                        EngineHash(next_hash)
+                        EngineHash(mix64(3 << 40, next_hash))
                     })
                     .collect();
                 let tokens = (0..(k * BLOCK_SIZE as usize) as u64)
@@ -216,8 +226,14 @@ fn main() {
         zstd.push(t.elapsed().as_secs_f64());
         sizes.1 = c.0;
         let t = Instant::now();
-        let b = encode_variant(&snap, SnapshotFormat::Binary, Compression::Zstd, None, usize::MAX)
-            .unwrap();
+        let b = encode_variant(
+            &snap,
+            SnapshotFormat::Binary,
+            Compression::Zstd,
+            None,
+            usize::MAX,
+        )
+        .unwrap();
         variant.push(t.elapsed().as_secs_f64());
         drop(b);
         let t = Instant::now();
@@ -275,16 +291,19 @@ fn main() {
     let exporting = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
     let exports_done = Arc::new(AtomicU64::new(0));
+    let busy = Arc::new(AtomicBool::new(false));
     let exporter = {
-        let (reader, exporting, stop, done) = (
+        let (reader, exporting, stop, done, busy) = (
             reader.clone(),
             exporting.clone(),
             stop.clone(),
             exports_done.clone(),
+            busy.clone(),
         );
         std::thread::spawn(move || {
             while !stop.load(Relaxed) {
                 if exporting.load(Relaxed) {
+                    busy.store(true, Relaxed);
                     let snap = reader.export_snapshot();
                     let b = encode_variant(
                         &snap,
@@ -296,6 +315,7 @@ fn main() {
                     .unwrap();
                     std::hint::black_box(b.len());
                     done.fetch_add(1, Relaxed);
+                    busy.store(false, Relaxed);
                 } else {
                     std::thread::sleep(std::time::Duration::from_millis(1));
                 }
@@ -311,6 +331,9 @@ fn main() {
     for _ in 0..PHASE_PAIRS {
         for (flag, sink) in [(false, &mut without), (true, &mut with)] {
             exporting.store(flag, Relaxed);
+            while !flag && busy.load(Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
             if flag {
                 // Let the exporter get going before measuring.
                 std::thread::sleep(std::time::Duration::from_millis(50));

@@ -347,8 +347,10 @@ impl SnapshotProducer {
             let result = tokio::task::spawn_blocking(move || {
                 let _permit = permit;
                 let started = Instant::now();
+                // Judged before the walk, like the cursors the export reads first.
+                let has_cursor = index_has_cursor(&reader);
                 let mut snapshot = reader.export_snapshot();
-                snapshot.producer_ready = replica_ready && !snapshot.cursors.is_empty();
+                snapshot.producer_ready = replica_ready && has_cursor;
                 walk_seconds.observe(started.elapsed().as_secs_f64());
                 tracing::debug!(
                     model = %model_name,

@@ -638,3 +638,36 @@ async fn a_static_peer_list_without_self_appears_in_metrics() {
     assert_ne!(router.internal_addr, router.addr);
     router.shutdown().await;
 }
+
+struct ClosedGate;
+impl kvroute::readiness::ReadinessGate for ClosedGate {
+    fn name(&self) -> &str {
+        "closed_for_test"
+    }
+    fn check(&self) -> Result<(), String> {
+        Err("closed".into())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn producer_ready_is_false_while_the_replica_is_not_ready() {
+    let (fleet, router, _) = warm_router(1, 1, 5, |c| {
+        c.extra_readiness_gates = vec![Arc::new(ClosedGate)];
+    })
+    .await;
+    match fetcher(None)
+        .fetch_snapshot(&router.internal_url(), None, None)
+        .await
+    {
+        FetchOutcome::Body(s) => {
+            assert!(
+                !s.producer_ready,
+                "a not-ready replica claimed producer_ready"
+            );
+            assert_eq!(s.cursors.len(), 1, "the index itself has its cursor");
+        }
+        other => panic!("fetch failed: {other:?}"),
+    }
+    router.shutdown().await;
+    fleet.shutdown().await;
+}

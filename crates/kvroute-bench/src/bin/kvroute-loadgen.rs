@@ -56,9 +56,8 @@ fn build(args: &Args) -> Result<LoadConfig, Box<dyn std::error::Error>> {
         .iter()
         .map(|h| load::parse_header(h))
         .collect::<Result<Vec<_>, _>>()?;
-    if !(args.duration_s >= 0.0 && args.duration_s.is_finite())
-        || !(args.warmup_s >= 0.0 && args.warmup_s.is_finite())
-    {
+    let non_negative = |x: f64| x.is_finite() && x >= 0.0;
+    if !non_negative(args.duration_s) || !non_negative(args.warmup_s) {
         return Err("--duration-s and --warmup-s must be finite and >= 0".into());
     }
     Ok(LoadConfig {
