@@ -3,24 +3,25 @@
 //! Shape and why:
 //! * **Flat map per shard, keyed by chained content hash.** Because a block's hash identifies its
 //!   whole prefix (see [`crate::hash`]), a request's block `i` is found by a direct lookup instead
-//!   of a child walk; the tree structure (parent index, child count, depth) is kept only for
-//!   pruning and for exporting parents before children.
+//!   of a child walk; the tree structure (parent index, child count) is kept only for pruning
+//!   and for exporting parents before children (export derives depths from parent links).
 //! * **Shard = chain root.** A node lives in the shard chosen by its chain's ROOT block hash, so a
 //!   whole prefix lives in one shard: `match_prefix` takes one read lock for the whole walk and a
 //!   store event takes one write lock (per event, never longer), so a reader can never see half of
 //!   a store and never waits behind more than one event.
-//! * **Compact nodes.** Nodes (40 bytes) sit in a per-shard chunked slab addressed by `u32`;
-//!   the map (module `table`) holds 8-byte slots (tag + slab index) and lets the routing path
-//!   prefetch the slots of upcoming blocks. Each node has ONE inline carrier; only nodes carried
-//!   by several ranks (shared prefixes) spill to a per-shard list pool, stored as parallel
-//!   `words` / `engines` arrays so matching reads 4 bytes per carrier.
-//! * **Carrier = (rank, tiers, engine hash).** The engine hash is stored with the carrier rather
-//!   than recovered from the side maps at export: it costs 8 bytes per carried pair (the main
-//!   reason the index is above its 40 B/pair memory target, see docs/BENCHMARKS.md) but lets the
-//!   export walk be a linear pass over each shard's slab under bounded read locks, with no
-//!   reverse lookup into per-rank maps (which live with the writer and are not shared at all).
-//! * **Side map per rank** (engine hash -> node ref), writer-private: engines announce parents and
-//!   removals by their own hash, which the router never interprets.
+//! * **Compact nodes.** Nodes (32 bytes) sit in a per-shard chunked slab addressed by `u32`;
+//!   the map (module `table`) holds 8-byte slots (tag + slab index), kept up to 90 % full, and
+//!   lets the routing path prefetch the slots of upcoming blocks. Each node has ONE inline
+//!   carrier; only nodes carried by several ranks (shared prefixes) spill to a per-shard list
+//!   pool, stored as parallel `words` / `engines` arrays so matching reads 4 bytes per carrier.
+//! * **Carrier = (rank, tiers, engine hash), and the engine hash is stored ONCE, there.** Export
+//!   is then a linear pass over each shard's slab under bounded read locks.
+//! * **Index-only side map per rank** (engine hash -> node ref), writer-private: engines announce
+//!   parents and removals by their own hash, which the router never interprets. Its buckets hold
+//!   only the 4-byte node ref; the key is read back through the node's carrier for that rank, so
+//!   the engine hash is not stored a second time. That costs a node read per confirmed lookup
+//!   (the node is touched next anyway) and per entry on a rehash (done before taking a shard
+//!   write lock, under read guards). Memory target and figures: docs/BENCHMARKS.md.
 //! * **One writer, by type.** [`IndexWriter`] is not `Clone` and mutates through `&mut self`;
 //!   [`IndexReader`] is a cheap `Arc` clone. No async, no I/O, no threads.
 //!
@@ -1173,9 +1174,9 @@ impl IndexWriter {
         let mut held: Option<(usize, parking_lot::RwLockWriteGuard<'_, Shard>, usize)> = None;
         for engine in &r.block_hashes {
             let guard = held.as_ref().map(|(s, g, _)| (*s, &**g));
-            let Some(node_ref) = side_get(&wr.side, engine.0, |r| {
-                shared.engine_at(r, rank.0, guard)
-            }) else {
+            let Some(node_ref) =
+                side_get(&wr.side, engine.0, |r| shared.engine_at(r, rank.0, guard))
+            else {
                 unknown += 1;
                 continue;
             };
@@ -1235,10 +1236,7 @@ impl IndexWriter {
             for (s_idx, lock) in shared.shards.iter().enumerate() {
                 let shard = lock.read();
                 for (i, node) in shard.nodes.iter().enumerate() {
-                    if !node.is_free()
-                        && node.children == 0
-                        && !shard.words(node).is_empty()
-                    {
+                    if !node.is_free() && node.children == 0 && !shard.words(node).is_empty() {
                         leaves.push((node.stamp.load(Relaxed), s_idx as u32, i as u32));
                     }
                 }

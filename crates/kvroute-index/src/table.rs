@@ -234,11 +234,19 @@ mod tests {
             if s == EMPTY {
                 continue;
             }
-            assert!(t.home(s) <= pos, "entry at {pos} sits before its home {}", t.home(s));
+            assert!(
+                t.home(s) <= pos,
+                "entry at {pos} sits before its home {}",
+                t.home(s)
+            );
             assert!(s & TAG_MASK >= prev_tag, "tags out of order at {pos}");
             prev_tag = s & TAG_MASK;
         }
-        assert_eq!(t.slots.last(), Some(&EMPTY), "the last slot must stay empty");
+        assert_eq!(
+            t.slots.last(),
+            Some(&EMPTY),
+            "the last slot must stay empty"
+        );
     }
 
     #[test]

@@ -456,3 +456,71 @@ fn a_cursor_never_claims_more_blocks_than_the_export_shows_while_the_writer_runs
         "cursor claimed more than the nodes showed: {violations:?} (of {with_cursor} exports with a cursor)"
     );
 }
+
+/// Nodes store no depth, so export derives parent-before-child order from parent links; slab
+/// slot reuse can put a child in a LOWER slot than its parent, which a slot-order export would
+/// get wrong.
+#[test]
+fn export_orders_a_child_in_a_reused_lower_slot_after_its_parent() {
+    let one_shard = IndexConfig {
+        shard_count: 1,
+        ..cfg()
+    };
+    let (mut w, r) = PrefixIndex::new(one_shard);
+    let a = w.add_rank(rank_ref(0));
+    // Chain x (3 blocks) takes slots 0..3, chain y's root slot 3.
+    w.apply_event(a, &stored(&[1, 2, 3], None, tokens(10, 3, BS), BS, None));
+    w.apply_event(a, &stored(&[20], None, tokens(20, 1, BS), BS, None));
+    // Freeing chain x leaves slot 0 on top of the free list, so y's child lands below y's root.
+    w.apply_event(a, &removed(&[3, 2, 1], None));
+    w.apply_event(a, &stored(&[21, 22], Some(20), tokens(21, 2, BS), BS, None));
+    let s = r.export_snapshot();
+    assert_eq!(s.nodes.len(), 3, "exported nodes {:?}", s.nodes.parent);
+    assert_eq!(
+        s.nodes.parent,
+        vec![NO_PARENT, 0, 1],
+        "parents precede children"
+    );
+    let (mut w2, r2) = PrefixIndex::new(cfg());
+    w2.restore_snapshot(&s).expect("valid");
+    let mut y = tokens(20, 1, BS);
+    y.extend(tokens(21, 2, BS));
+    let mut m = PrefixMatch::new();
+    r2.match_prefix(&hashes_of(&y, BS), &mut m);
+    assert_eq!(m.max_matched_blocks(), 3, "restored matches {:?}", m.ranks);
+}
+
+/// A snapshot naming the same (rank, node) twice with different engine hashes: the carrier
+/// keeps the last hash, and only that hash removes it (the side map never files a node under a
+/// hash its carrier does not hold).
+#[test]
+fn restore_of_a_node_carried_twice_by_one_rank_keeps_the_last_engine_hash() {
+    let mut s = sample();
+    // Append a second copy of root node 0, carried by rank 0 under engine hash 77.
+    let n = &mut s.nodes;
+    n.parent.push(NO_PARENT);
+    n.content_hash.push(n.content_hash[0]);
+    n.carrier_rank.push(0);
+    n.carrier_tiers.push(1);
+    n.carrier_engine_hash.push(77);
+    n.carrier_end.push(n.carrier_rank.len() as u32);
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let rep = w.restore_snapshot(&s).expect("valid");
+    let a = rep.rank_map[0];
+    let carried = r.rank_stats(a).unwrap().carried_blocks;
+    assert_eq!(carried, 4, "the duplicate merges into one carrier");
+    let unknown_before = r.counters().removed_unknown_blocks;
+    w.apply_event(a, &removed(&[1], None));
+    assert_eq!(
+        r.rank_stats(a).unwrap().carried_blocks,
+        4,
+        "hash 1 was replaced"
+    );
+    assert_eq!(r.counters().removed_unknown_blocks, unknown_before + 1);
+    w.apply_event(a, &removed(&[77], None));
+    assert_eq!(
+        r.rank_stats(a).unwrap().carried_blocks,
+        3,
+        "hash 77 removes it"
+    );
+}
