@@ -20,7 +20,7 @@
 # - Throughput: wrk -t2 -c32 (the issue's reference tool). Latency: kvroute-loadgen open loop.
 #
 # Usage: bench/side_by_side.sh
-# Env: THROUGHPUT_S (10) LATENCY_S (20) RATE (1000) CONNS (32) RSS_REQUESTS (1000000; 0 skips
+# Env: SKIP_BUILD (1 = use the existing release binaries) THROUGHPUT_S (10) LATENCY_S (20) RATE (1000) CONNS (32) RSS_REQUESTS (1000000; 0 skips
 #      the RSS run) PORT_BASE (18100; ports PORT_BASE..PORT_BASE+499 are used) ROWS (regex over
 #      row names; default all) SKIP_INSTALL (1 = do not apt/pip)
 set -euo pipefail
@@ -42,6 +42,8 @@ echo "results: $out" >&2
 pids=()
 nginx_pid=""
 cleanup() {
+  if [ -n "${router_pid:-}" ]; then kill "$router_pid" 2>/dev/null || true; fi
+  if [ -n "${sampler:-}" ]; then kill "$sampler" 2>/dev/null || true; fi
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   if [ -n "$nginx_pid" ]; then kill "$nginx_pid" 2>/dev/null || true; fi
   wait 2>/dev/null || true
@@ -70,8 +72,15 @@ fi
 "$venv/bin/pip" list 2>/dev/null | grep -Ei '^(sglang-router|vllm-router) ' >"$out/peer-versions.txt"
 nginx -v 2>"$out/nginx-version.txt" || true
 
-log "cargo build --release -p kvroute -p kvroute-sim -p kvroute-bench"
-(cd "$root" && cargo build --release -p kvroute -p kvroute-sim -p kvroute-bench) >"$out/build.log" 2>&1
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  log "cargo build --release -p kvroute -p kvroute-sim -p kvroute-bench"
+  (cd "$root" && cargo build --release -p kvroute -p kvroute-sim -p kvroute-bench) >"$out/build.log" 2>&1
+fi
+{
+  echo "git HEAD: $(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "uncommitted changes in the tree: $(git -C "$root" status --porcelain 2>/dev/null | wc -l) paths"
+  echo "machine: $(nproc) cpus, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+} >"$out/provenance.txt"
 bin="$root/target/release"
 
 # ----------------------------------------------------------------------------------- bodies ---
@@ -96,9 +105,12 @@ EOF
 
 # ------------------------------------------------------------------------------------ ports ---
 NG_A=$((PORT_BASE + 1)); NG_B=$((PORT_BASE + 2))            # nginx workers
+NG_PROXY=$((PORT_BASE + 3))                                  # nginx reverse proxy over A, B
 PUB_HTTP=$((PORT_BASE + 11))                                 # idle sims (publishers only): 11,12
 PUB_KV=$((PORT_BASE + 101)); PUB_REPLAY=$((PORT_BASE + 201)); PUB_LOAD=$((PORT_BASE + 251))
 SIM_HTTP=$((PORT_BASE + 21))                                 # serving sims: 21,22
+VPUB_HTTP=$((PORT_BASE + 31))                                # vLLM-encoding publishers: 31,32
+VPUB_KV=$((PORT_BASE + 121)); VPUB_REPLAY=$((PORT_BASE + 221)); VPUB_LOAD=$((PORT_BASE + 271))
 SIM_KV=$((PORT_BASE + 111)); SIM_REPLAY=$((PORT_BASE + 211)); SIM_LOAD=$((PORT_BASE + 261))
 ROUTER=$((PORT_BASE + 301)); PROM=$((PORT_BASE + 401))
 
@@ -117,11 +129,11 @@ wait_http() { # url what: polls until HTTP 200 or fails naming what was awaited 
 ng="$out/nginx"
 mkdir -p "$ng"/{body,proxy,fastcgi,uwsgi,scgi}
 sed -e "s|@PREFIX@|$ng|g" "$root/bench/nginx-common-locations.conf" >"$ng/common-locations.conf"
-sed -e "s|@PREFIX@|$ng|g" -e "s|@PORT_A@|$NG_A|" -e "s|@PORT_B@|$NG_B|" \
+sed -e "s|@PREFIX@|$ng|g" -e "s|@PORT_A@|$NG_A|" -e "s|@PORT_B@|$NG_B|" -e "s|@PORT_PROXY@|$NG_PROXY|" \
   -e "s|@KV_PORT_A@|$PUB_KV|" -e "s|@KV_PORT_B@|$((PUB_KV + 1))|" \
   -e "s|@REPLAY_PORT_A@|$PUB_REPLAY|" -e "s|@REPLAY_PORT_B@|$((PUB_REPLAY + 1))|" \
   "$root/bench/nginx-backend.conf.in" >"$ng/nginx.conf"
-sim_pub_pid=""; sim_serv_pid=""; backend_restarts=0
+sim_pub_pid=""; sim_serv_pid=""; sim_vpub_pid=""; backend_restarts=0
 alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
 # (Re)starts whichever backend is not running. Other jobs on a shared machine have been seen
 # to stop these processes mid-run; a row must never be measured against a dead backend, so every
@@ -146,9 +158,17 @@ ensure_backends() {
     sim_serv_pid=$!
     pids+=("$sim_serv_pid")
   fi
+  if ! alive "$sim_vpub_pid"; then
+    [ -n "$sim_vpub_pid" ] && backend_restarts=$((backend_restarts + 1)) && log "vLLM-encoding publisher sims had stopped; restarting"
+    "$bin/kvroute-sim" --engines 2 --instant --kv-encoding vllm --port "$VPUB_HTTP" \
+      --kv-port-base "$VPUB_KV" --replay-port-base "$VPUB_REPLAY" --load-port-base "$VPUB_LOAD" \
+      >>"$out/sim-vllm-publishers.log" 2>&1 &
+    sim_vpub_pid=$!
+    pids+=("$sim_vpub_pid")
+  fi
   wait_http "http://127.0.0.1:$NG_A/health" "nginx worker A"
   wait_http "http://127.0.0.1:$NG_B/health" "nginx worker B"
-  for p in "$PUB_HTTP" $((PUB_HTTP + 1)) "$SIM_HTTP" $((SIM_HTTP + 1)); do
+  for p in "$PUB_HTTP" $((PUB_HTTP + 1)) "$SIM_HTTP" $((SIM_HTTP + 1)) "$VPUB_HTTP" $((VPUB_HTTP + 1)); do
     wait_http "http://127.0.0.1:$p/health" "kvroute-sim engine on $p"
   done
 }
@@ -195,11 +215,24 @@ l = r["latency_us"]
 errs = r["errors_status"] + r["errors_io"] + r["errors_timeout"] + r["not_sent"]
 print("\t".join(str(round(x)) for x in (l["p50"], l["p90"], l["p99"], l["p999"], l["max"], errs)))
 ' "$out/$name.lat.json")"
+  # Router-side evidence (routing decisions, matched blocks, tokenize calls) for the row.
+  if [ "$router" = kvroute ]; then
+    curl -s --max-time 2 "http://127.0.0.1:$ROUTER/metrics" >"$out/$name.metrics.txt" || true
+  elif [ "$router" != direct ]; then
+    curl -s --max-time 2 "http://127.0.0.1:$PROM/metrics" >"$out/$name.metrics.txt" || true
+  fi
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$router" "$policy" "$backend" \
     "/$endpoint" "$body" "$rps" "${non2xx:-0}" "$lat" "$((tok1 - tok0))" "$load" >>"$results"
 }
 
 want() { [[ "$1" =~ $ROWS ]]; }
+
+fresh_sims() { # publishers|serving: stop them so ensure_backends starts them with empty caches
+  local pid
+  if [ "$1" = serving ]; then pid="$sim_serv_pid"; sim_serv_pid=""; else pid="$sim_pub_pid"; sim_pub_pid=""; fi
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
 
 start_sglang() { # policy
   ensure_backends
@@ -249,6 +282,8 @@ want direct-generate-text && measure direct-generate-text direct - nginx "$D/gen
 want direct-completions-text && measure direct-completions-text direct - nginx "$D/v1/completions" completions-text.json
 want direct-sim-completions-ids && measure direct-sim-completions-ids direct - kvroute-sim "http://127.0.0.1:$SIM_HTTP/v1/completions" completions-ids.json
 
+want nginx-proxy && measure nginx-proxy-completions-ids nginx-proxy round_robin nginx "http://127.0.0.1:$NG_PROXY/v1/completions" completions-ids.json
+
 R="http://127.0.0.1:$ROUTER"
 for pol in round_robin cache_aware; do
   if want "sglang-$pol"; then
@@ -276,23 +311,64 @@ if want kvroute-cache_aware-nginx; then
   # which kvroute attributes to nginx worker A (whose /server_info advertises that publisher).
   curl -s --max-time 10 -o /dev/null -XPOST "http://127.0.0.1:$PUB_HTTP/v1/completions" -H 'content-type: application/json' \
     --data-binary "@$out/completions-ids.json"
-  wait_kv_applied "prompt stored by the publisher sim"
+  if ! wait_kv_applied "prompt stored by the publisher sim"; then
+    log "kvroute-cache_aware-nginx: the index never received the prompt; the row measures cold routing"
+  fi
   curl -s --max-time 10 -D "$out/kvroute-decision-nginx.txt" -o /dev/null -XPOST "$R/v1/completions" \
     -H 'content-type: application/json' --data-binary "@$out/completions-ids.json"
   measure kvroute-cache_aware-nginx-completions-ids kvroute cache_aware "nginx + sim KV publishers" "$R/v1/completions" completions-ids.json
   stop_router
 fi
 if want kvroute-cache_aware-sim; then
+  # Fresh serving sims: the direct-sim row already cached the prompt there, and a prompt that
+  # is already cached produces no new KV event, so a router started now would never learn it.
+  fresh_sims serving
   start_kvroute cache-aware "$SIM_HTTP" $((SIM_HTTP + 1))
   curl -s --max-time 10 -o /dev/null -XPOST "$R/v1/completions" -H 'content-type: application/json' \
     --data-binary "@$out/completions-ids.json"
-  wait_kv_applied "prompt stored by the serving sim"
-  measure kvroute-cache_aware-sim-completions-ids kvroute cache_aware kvroute-sim "$R/v1/completions" completions-ids.json
+  if wait_kv_applied "prompt stored by the serving sim"; then
+    measure kvroute-cache_aware-sim-completions-ids kvroute cache_aware kvroute-sim "$R/v1/completions" completions-ids.json
+  else
+    log "kvroute-cache_aware-sim: row skipped (index never received the prompt)"
+  fi
+  stop_router
+fi
+
+# vllm-router 0.1.17 also has a KV-event policy, kv_aware: the closest peer to kvroute's
+# cache_aware. It is fed vLLM-encoded events from two idle sims attributed to the nginx workers,
+# and the prompt is stored once on sim 0, exactly like kvroute's nginx row.
+if want vllm-kv_aware; then
+  ensure_backends
+  "$venv/bin/vllm-router" --host 127.0.0.1 --port "$ROUTER" \
+    --worker-urls "http://127.0.0.1:$NG_A" "http://127.0.0.1:$NG_B" --policy kv_aware \
+    --kv-event-source "http://127.0.0.1:$NG_A=tcp://127.0.0.1:$VPUB_KV" \
+    --kv-event-source "http://127.0.0.1:$NG_B=tcp://127.0.0.1:$((VPUB_KV + 1))" \
+    --kv-event-block-size 16 --kv-event-model kvroute-sim \
+    --log-level warning --prometheus-host 127.0.0.1 --prometheus-port "$PROM" \
+    >"$out/vllm-kv_aware.log" 2>&1 &
+  router_pid=$!
+  wait_http "http://127.0.0.1:$ROUTER/health" "vllm-router kv_aware"
+  # Store the prompt on sim 0, then probe through the router until its placement lookups
+  # report a hit (its /metrics), i.e. the events were applied before measuring.
+  curl -s --max-time 10 -o /dev/null -XPOST "http://127.0.0.1:$VPUB_HTTP/v1/completions" -H 'content-type: application/json' \
+    --data-binary "@$out/completions-ids.json"
+  hits=0; deadline=$((SECONDS + HEALTH_WAIT_S))
+  while [ $SECONDS -lt $deadline ]; do
+    curl -s --max-time 10 -o /dev/null -XPOST "$R/v1/completions" -H 'content-type: application/json' \
+      --data-binary "@$out/completions-ids.json"
+    hits="$(curl -s --max-time 2 "http://127.0.0.1:$PROM/metrics" |
+      awk '/^vllm_router_kv_placement_lookups_total\{result="hit"\}/ {print $2}')"
+    [ "${hits:-0}" != 0 ] && break
+    sleep 0.1
+  done
+  [ "${hits:-0}" != 0 ] || log "vllm-router kv_aware never reported a placement hit (hits='$hits'); measuring anyway"
+  measure vllm-kv_aware-completions-ids vllm-router kv_aware "nginx + sim KV publishers (vLLM enc.)" "$R/v1/completions" completions-ids.json
   stop_router
 fi
 
 # ---------------------------------------------------------------------------------- RSS run ---
 if [ "$RSS_REQUESTS" -gt 0 ] && want kvroute-rss; then
+  fresh_sims publishers # the nginx row's prompt is cached there already (no new event)
   start_kvroute cache-aware "$NG_A" "$NG_B"
   curl -s --max-time 10 -o /dev/null -XPOST "http://127.0.0.1:$PUB_HTTP/v1/completions" -H 'content-type: application/json' \
     --data-binary "@$out/completions-ids.json"
@@ -340,10 +416,12 @@ rss = out + "/rss.tsv"
 if os.path.exists(rss) and os.path.exists(out + "/rss-run.json"):
     samples = [tuple(map(int, l.split())) for l in open(rss) if l.strip() and len(l.split()) == 2]
     run = json.load(open(out + "/rss-run.json"))
-    warm = [s for s in samples if s[0] >= 10]
+    # Warm-up: the first 10 s (or the first tenth of a shorter run).
+    warm_s = min(10, max(1, len(samples) // 10))
+    warm = [s for s in samples if s[0] >= warm_s]
     if warm:
         start, end, peak = warm[0][1], warm[-1][1], max(s[1] for s in warm)
-        print("\nRSS run: %d requests ok (errors %d), %.0f req/s; RSS after 10 s warm-up %.1f MB, end %.1f MB (%+.1f%%), peak %.1f MB, %d samples" % (
+        print("\nRSS run: %d requests ok (errors %d), %.0f req/s; RSS after %d s warm-up %.1f MB, end %.1f MB (%+.1f%%), peak %.1f MB, %d samples" % (
             run["ok_total"], run["errors_status"] + run["errors_io"] + run["errors_timeout"],
-            run["req_per_s"], start / 1024, end / 1024, 100.0 * (end - start) / start, peak / 1024, len(samples)))
+            run["req_per_s"], warm_s, start / 1024, end / 1024, 100.0 * (end - start) / start, peak / 1024, len(samples)))
 EOF

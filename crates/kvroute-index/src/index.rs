@@ -10,7 +10,7 @@
 //!   store event takes one write lock (per event, never longer), so a reader can never see half of
 //!   a store and never waits behind more than one event.
 //! * **Compact nodes.** Nodes (32 bytes) sit in a per-shard chunked slab addressed by `u32`;
-//!   the map (module `table`) holds 8-byte slots (tag + slab index), kept up to 90 % full, and
+//!   the map (module `table`) holds 8-byte slots (tag + slab index), kept 64-80 % full, and
 //!   lets the routing path prefetch the slots of upcoming blocks. Each node has ONE inline
 //!   carrier; only nodes carried by several ranks (shared prefixes) spill to a per-shard list
 //!   pool, stored as parallel `words` / `engines` arrays so matching reads 4 bytes per carrier.

@@ -11,7 +11,8 @@
 //! tag (`tag * homes >> 32`, so any table size works, not just powers of two), the table keeps
 //! every run of occupied slots SORTED by tag. That buys three things:
 //! * a miss stops at the first larger tag instead of at the end of the run, so the table can
-//!   be kept 90 % full (memory is the index's tightest budget) without long miss probes;
+//!   be kept 64-80 % full at ALL times (memory is the index's tightest budget) without long miss
+//!   probes;
 //! * growth and deletion compute every entry's home from its slot alone, never touching nodes;
 //! * growth is a single linear merge pass, so the table can grow in small steps (x1.25).
 //!
@@ -22,11 +23,14 @@
 
 const EMPTY: u64 = u64::MAX;
 const TAG_MASK: u64 = 0xFFFF_FFFF_0000_0000;
-/// Growth threshold: at most 9/10 of the homes in use. Sorted runs keep misses short at that load.
-const MAX_LOAD_NUM: usize = 9;
-const MAX_LOAD_DEN: usize = 10;
-/// Each growth step multiplies the home count by 5/4, which keeps the average load near 0.8
-/// (doubling would let it fall to 0.45 right after a step).
+/// Growth threshold: at most 4/5 of the homes in use. Memory alone would say 9/10 (sorted runs
+/// keep misses short even then), but side-by-side runs of the cold routing bench measured p50
+/// clearly slower at 0.9 than at 0.75: entries sit further from their prefetched home, often in
+/// the next cache line. 0.8 is the highest load that still fits the 40 B/pair budget with margin.
+const MAX_LOAD_NUM: usize = 4;
+const MAX_LOAD_DEN: usize = 5;
+/// Each growth step multiplies the home count by 5/4, which keeps the load between 0.64 and 0.8
+/// (doubling would let it fall to 0.4 right after a step).
 const GROWTH_NUM: usize = 5;
 const GROWTH_DEN: usize = 4;
 const MIN_HOMES: usize = 16;
@@ -291,7 +295,7 @@ mod tests {
             if i > 1_000 {
                 let load = t.len as f64 / t.homes as f64;
                 assert!(
-                    (0.7..=0.9).contains(&load),
+                    (0.63..=0.8).contains(&load),
                     "load {load} after {} entries over {} homes",
                     t.len,
                     t.homes

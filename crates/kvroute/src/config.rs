@@ -164,6 +164,12 @@ pub struct RouterConfig {
     pub kv_snapshot_max_bytes: usize,
     /// Sibling discovery for peer bootstrap; `None` = off.
     pub peer_source: Option<kvroute_peers::PeerSourceConfig>,
+    /// Kubernetes discovery of engine pods (`--service-discovery`); `None` = off. Its edits go
+    /// to the same registry as `workers` (see `worker_source`).
+    pub engine_discovery: Option<kvroute_peers::EngineDiscoveryConfig>,
+    /// Demo / test only (no flag sets it): prefix matches from the engines' real caches instead
+    /// of the index, see [`crate::kv::PrefixOracle`].
+    pub prefix_oracle: Option<Arc<dyn crate::kv::PrefixOracle>>,
 }
 
 impl RouterConfig {
@@ -251,6 +257,8 @@ impl Default for RouterConfig {
             internal_auth_token: None,
             kv_snapshot_max_bytes: DEFAULT_KV_SNAPSHOT_MAX_BYTES,
             peer_source: None,
+            engine_discovery: None,
+            prefix_oracle: None,
         }
     }
 }
@@ -388,6 +396,8 @@ pub struct ServeArgs {
     pub kv_snapshot_max_bytes: usize,
     #[command(flatten)]
     pub peers: kvroute_peers::PeerDiscoveryArgs,
+    #[command(flatten)]
+    pub engines: kvroute_peers::EngineDiscoveryArgs,
 }
 
 impl ServeArgs {
@@ -420,6 +430,10 @@ impl ServeArgs {
             .peers
             .to_config()
             .map_err(|e| format!("peer discovery: {e}"))?;
+        let engine_discovery = self
+            .engines
+            .to_config()
+            .map_err(|e| format!("engine discovery: {e}"))?;
         Ok(RouterConfig {
             listen,
             workers,
@@ -451,6 +465,7 @@ impl ServeArgs {
             internal_auth_token,
             kv_snapshot_max_bytes: self.kv_snapshot_max_bytes,
             peer_source,
+            engine_discovery,
             ..RouterConfig::default()
         })
     }
@@ -489,6 +504,42 @@ mod tests {
         assert_eq!(cfg.policy, PolicyKind::RoundRobin);
         assert_eq!(cfg.model_tokenizers["m"], PathBuf::from("/tmp/t.json"));
         assert_eq!(cfg.internal_listen().port(), 30001);
+    }
+
+    #[test]
+    fn service_discovery_flags_fill_the_engine_discovery_config_and_need_each_other() {
+        let cli = Cli::parse_from([
+            "kvroute",
+            "--service-discovery",
+            "--selector",
+            "app=sglang,tier!=canary",
+            "--service-discovery-port",
+            "30000",
+        ]);
+        let cfg = cli.serve.into_config().unwrap();
+        let d = cfg.engine_discovery.expect("discovery on");
+        assert_eq!(d.label_selector, "app=sglang,tier!=canary");
+        assert_eq!(d.default_port, 30000);
+        assert!(
+            Cli::parse_from(["kvroute"])
+                .serve
+                .into_config()
+                .unwrap()
+                .engine_discovery
+                .is_none()
+        );
+        let err = Cli::parse_from(["kvroute", "--selector", "app=x"])
+            .serve
+            .into_config()
+            .err()
+            .expect("--selector alone is refused");
+        assert!(err.contains("engine discovery"), "{err}");
+        let err = Cli::parse_from(["kvroute", "--service-discovery"])
+            .serve
+            .into_config()
+            .err()
+            .expect("--service-discovery without a selector is refused");
+        assert!(err.contains("--selector"), "{err}");
     }
 
     #[test]

@@ -9,6 +9,12 @@
 //! history, like chat clients do) at a fixed concurrency. Streaming responses are used so the
 //! time to first token is measured at the client as the arrival of the first chunk; the cache
 //! hit rate is the engines' own `cached_tokens / prompt_tokens` from the usage chunk.
+//!
+//! The `oracle` row is `cache_aware` with one change: the per-rank matched prefix is read from
+//! the simulated engines' ACTUAL caches at decision time ([`SimCacheOracle`], plugged in through
+//! [`crate::kv::PrefixOracle`]) instead of from the router's event-built index. Same cost model,
+//! same load signals, so `cache_aware / oracle` isolates what the index's lag and event losses
+//! cost; the quality target is a ratio of at least 95%.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +26,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
 use crate::config::{DemoArgs, PolicyKind, RouterConfig, WorkerSpec};
+use crate::kv::{PrefixOracle, RankHit};
 
 const ENGINES: usize = 4;
 const DP_SIZE: usize = 2;
@@ -85,9 +92,70 @@ struct Sample {
     cached_tokens: u64,
 }
 
+/// Matches prefixes against the in-process simulated engines' caches. It reads with
+/// `tiers_of`, which does not touch the LRU order, so asking never changes what the engines
+/// will evict (a `match_prefix` on the cache would).
+pub struct SimCacheOracle {
+    model: String,
+    block_size: usize,
+    engines: Vec<(String, Arc<kvroute_sim::Engine>)>,
+}
+
+impl SimCacheOracle {
+    pub fn new(model: &str, fleet: &kvroute_sim::Fleet) -> SimCacheOracle {
+        SimCacheOracle {
+            model: model.to_string(),
+            block_size: fleet
+                .engines
+                .first()
+                .map_or(BLOCK_SIZE_TOKENS, |e| e.block_size()),
+            engines: fleet
+                .engines
+                .iter()
+                .map(|e| (e.http_url(), e.engine().clone()))
+                .collect(),
+        }
+    }
+}
+
+impl PrefixOracle for SimCacheOracle {
+    fn match_prefix(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        visit: &mut dyn FnMut(&str, u32, RankHit),
+    ) -> Option<usize> {
+        if model != self.model {
+            return None;
+        }
+        let keys = kvroute_sim::cache::block_keys(tokens, self.block_size);
+        for (url, engine) in &self.engines {
+            for (r, rank) in engine.ranks.iter().enumerate() {
+                let mut hit = RankHit::default();
+                {
+                    let state = rank.state.lock();
+                    for &key in &keys {
+                        let Some((on_device, _)) = state.cache.tiers_of(key) else {
+                            break;
+                        };
+                        hit.matched_blocks += 1;
+                        hit.device_blocks += u32::from(on_device);
+                    }
+                }
+                if hit.matched_blocks > 0 {
+                    visit(url, r as u32, hit);
+                }
+            }
+        }
+        Some(self.block_size)
+    }
+}
+
 #[derive(Debug)]
 pub struct PolicyResult {
     pub policy: PolicyKind,
+    /// `cache_aware` driven by [`SimCacheOracle`] instead of the index.
+    pub oracle: bool,
     pub requests: usize,
     pub failures: usize,
     pub hit_rate: f64,
@@ -198,8 +266,20 @@ async fn wait_subscribed(router: &crate::Router, ranks: usize) -> Result<(), Str
     }
 }
 
+impl PolicyResult {
+    /// Row label: the policy, or `oracle`.
+    pub fn name(&self) -> &'static str {
+        if self.oracle {
+            "oracle"
+        } else {
+            self.policy.as_str()
+        }
+    }
+}
+
 async fn run_policy(
     policy: PolicyKind,
+    oracle: bool,
     args: &DemoArgs,
     conversations: &Arc<Vec<Conversation>>,
     bar: &ProgressBar,
@@ -217,6 +297,8 @@ async fn run_policy(
             })
             .collect(),
         policy,
+        prefix_oracle: oracle
+            .then(|| Arc::new(SimCacheOracle::new(MODEL, &fleet)) as Arc<dyn PrefixOracle>),
         tokenizer_path: Some(kvroute_sim::config::default_tokenizer_path()),
         rng_seed: Some(args.seed),
         weights: crate::config::CostWeights {
@@ -295,6 +377,7 @@ async fn run_policy(
         .unwrap_or(0.0);
     Ok(PolicyResult {
         policy,
+        oracle,
         requests: samples.len(),
         failures,
         hit_rate: if prompt == 0 {
@@ -310,13 +393,21 @@ async fn run_policy(
 }
 
 /// Runs every selected policy on a fresh fleet and returns the results (no printing but the
-/// progress bar, which is hidden when stderr is not a terminal).
+/// progress bar, which is hidden when stderr is not a terminal). When `cache_aware` is
+/// selected, an `oracle` run follows it.
 pub async fn run_policies(args: &DemoArgs) -> Result<Vec<PolicyResult>, String> {
-    let policies: Vec<PolicyKind> = if args.policies.is_empty() {
+    let selected: Vec<PolicyKind> = if args.policies.is_empty() {
         PolicyKind::ALL.to_vec()
     } else {
         args.policies.clone()
     };
+    let policies: Vec<(PolicyKind, bool)> = selected
+        .iter()
+        .flat_map(|&p| {
+            let oracle = (p == PolicyKind::CacheAware).then_some((p, true));
+            std::iter::once((p, false)).chain(oracle)
+        })
+        .collect();
     let conversations = Arc::new(workload(args));
     let per_policy = conversations
         .iter()
@@ -330,12 +421,23 @@ pub async fn run_policies(args: &DemoArgs) -> Result<Vec<PolicyResult>, String> 
         .map_err(|e| e.to_string())?,
     );
     let mut results = Vec::new();
-    for &p in &policies {
-        bar.set_message(p.as_str());
-        results.push(run_policy(p, args, &conversations, &bar).await?);
+    for &(p, oracle) in &policies {
+        bar.set_message(if oracle { "oracle" } else { p.as_str() });
+        results.push(run_policy(p, oracle, args, &conversations, &bar).await?);
     }
     bar.finish_and_clear();
     Ok(results)
+}
+
+/// `cache_aware`'s hit rate as a fraction of the oracle's, when both ran.
+pub fn cache_aware_to_oracle_hit_rate(results: &[PolicyResult]) -> Option<f64> {
+    let find = |oracle: bool| {
+        results
+            .iter()
+            .find(|r| r.policy == PolicyKind::CacheAware && r.oracle == oracle)
+    };
+    let (index, oracle) = (find(false)?, find(true)?);
+    (oracle.hit_rate > 0.0).then(|| index.hit_rate / oracle.hit_rate)
 }
 
 /// Runs the demo and prints one line per policy.
@@ -362,13 +464,19 @@ pub async fn run(args: DemoArgs) -> Result<(), String> {
     for r in &results {
         println!(
             "{:<14} {:>8.1}% {:>14.1} {:>13.1} {:>10.1} {:>9} {:>8}",
-            r.policy.as_str(),
+            r.name(),
             r.hit_rate * 100.0,
             r.ttft_mean_ms,
             r.ttft_p90_ms,
             r.throughput_rps,
             r.requests,
             r.failures
+        );
+    }
+    if let Some(ratio) = cache_aware_to_oracle_hit_rate(&results) {
+        println!(
+            "cache_aware / oracle hit rate: {:.1}% (quality target >= 95%)",
+            ratio * 100.0
         );
     }
     println!(

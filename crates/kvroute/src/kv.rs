@@ -49,6 +49,24 @@ pub struct RankHit {
     pub device_blocks: u32,
 }
 
+/// A source of per-rank prefix matches other than the index: the demo's measuring stick.
+///
+/// The demo compares `cache_aware` with an "oracle" run that uses the same cost model but reads
+/// the engines' ACTUAL caches instead of the router's event-built index, so the gap between the
+/// two is exactly what the index's lag and blindness cost. It is a trait object set through
+/// [`crate::RouterConfig::prefix_oracle`], which no CLI flag fills: only in-process code that owns
+/// the engines (the demo, tests) can build one.
+pub trait PrefixOracle: Send + Sync {
+    /// Calls `visit(url, dp_rank, hit)` for every rank of `model` holding at least the first
+    /// block of `tokens`; returns the block size used, or `None` when it knows no such model.
+    fn match_prefix(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        visit: &mut dyn FnMut(&str, u32, RankHit),
+    ) -> Option<usize>;
+}
+
 /// RankId (as index) -> (worker url, dp rank) of one model's index.
 type RankMap = Arc<Vec<Option<(Arc<str>, u32)>>>;
 
@@ -58,6 +76,8 @@ pub struct KvBridge {
     /// Per model, RankId -> (worker url, dp rank). Rank ids are never reused by an index, so a
     /// cached map can only lack new ranks; it is refreshed when a match names an unknown id.
     rank_maps: RwLock<HashMap<String, RankMap>>,
+    /// When set, prefix matches come from here instead of the index (demo / tests only).
+    oracle: Option<Arc<dyn PrefixOracle>>,
 }
 
 thread_local! {
@@ -69,6 +89,7 @@ impl KvBridge {
     pub fn new(
         defaults: KvFlagDefaults,
         registry: &prometheus::Registry,
+        oracle: Option<Arc<dyn PrefixOracle>>,
     ) -> Result<KvBridge, KvPlaneError> {
         let cfg = KvPlaneConfig {
             default_block_size: defaults.block_size.map(|b| b as u32),
@@ -79,6 +100,7 @@ impl KvBridge {
             defaults,
             plane,
             rank_maps: RwLock::new(HashMap::new()),
+            oracle,
         })
     }
 
@@ -204,6 +226,9 @@ impl KvBridge {
         tokens: &[u32],
         mut visit: impl FnMut(&str, u32, RankHit),
     ) -> Option<usize> {
+        if let Some(oracle) = &self.oracle {
+            return oracle.match_prefix(model, tokens, &mut visit);
+        }
         let view = self.plane.model_view(model)?;
         let block_size = view.block_size as usize;
         SCRATCH.with(|scratch| {

@@ -9,7 +9,8 @@
 //! health loop), [`proxy`] (forwarding and streaming), [`server`] (HTTP routes), [`metrics`],
 //! [`readiness`], [`error`], [`demo`]; for peer bootstrap: [`internal`] (the internal listener
 //! and its endpoints), [`snapshot_producer`] (cached single-flight index export),
-//! [`peer_fetch`] (the client that fetches a sibling's snapshot).
+//! [`peer_fetch`] (the client that fetches a sibling's snapshot); [`worker_source`] (the static
+//! worker list and Kubernetes engine discovery, both applied through the admin API's path).
 
 pub mod config;
 pub mod demo;
@@ -26,6 +27,7 @@ pub mod router;
 pub mod server;
 pub mod snapshot_producer;
 pub mod tokenize;
+pub mod worker_source;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,7 +36,7 @@ use std::time::Duration;
 pub use config::{PolicyKind, RouterConfig, WorkerSpec};
 pub use router::Router;
 
-use registry::WorkerSource;
+use worker_source::WorkerSource;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -56,6 +58,7 @@ pub struct RouterHandle {
     join: tokio::task::JoinHandle<()>,
     internal_join: tokio::task::JoinHandle<()>,
     peer_source: Option<kvroute_peers::PeerSourceHandle>,
+    worker_source: Option<worker_source::WorkerSourceTask>,
 }
 
 impl RouterHandle {
@@ -86,6 +89,9 @@ impl RouterHandle {
         if let Some(peers) = self.peer_source {
             peers.shutdown().await;
         }
+        if let Some(workers) = self.worker_source {
+            workers.shutdown().await;
+        }
         self.router.kv.shutdown().await;
     }
 }
@@ -95,15 +101,36 @@ pub async fn serve(config: RouterConfig) -> Result<RouterHandle, ServeError> {
     serve_with_registry(config, prometheus::Registry::new()).await
 }
 
-/// Starts a router whose metrics (and the KV plane's) go to `prom`.
+/// Starts a router whose metrics (and the KV plane's) go to `prom`; its workers come from
+/// `config.workers` and, when `config.engine_discovery` is set, from Kubernetes.
 pub async fn serve_with_registry(
     config: RouterConfig,
     prom: prometheus::Registry,
 ) -> Result<RouterHandle, ServeError> {
+    let source = WorkerSource::from_config(&config)
+        .await
+        .map_err(ServeError::Setup)?;
+    serve_with_workers(config, prom, source).await
+}
+
+/// Starts a router whose workers come from `source` (`config.workers` is not read). A dynamic
+/// source adds the `engine_discovery_synced` readiness gate and is stopped by
+/// [`RouterHandle::shutdown`].
+pub async fn serve_with_workers(
+    mut config: RouterConfig,
+    prom: prometheus::Registry,
+    source: WorkerSource,
+) -> Result<RouterHandle, ServeError> {
     let listen = config.listen;
     let internal_listen = config.internal_listen();
     let peer_config = config.peer_source.clone();
-    let source = registry::StaticWorkerSource(config.workers.clone());
+    let sync_progress = source.is_dynamic().then(worker_source::SyncProgress::new);
+    if let Some(p) = &sync_progress {
+        config
+            .extra_readiness_gates
+            .push(Arc::new(worker_source::SyncedGate(p.clone())));
+    }
+    let source_name = source.name().to_string();
     let router = Arc::new(Router::new(config, prom).map_err(ServeError::Setup)?);
     let listener = tokio::net::TcpListener::bind(listen)
         .await
@@ -135,16 +162,10 @@ pub async fn serve_with_registry(
         ),
         None => None,
     };
-    // First attempt inline so a router started against a running fleet is usable as soon as
-    // `serve` returns; workers not up yet keep being retried in the background.
-    let specs = source.initial_workers();
-    let results = futures::future::join_all(specs.iter().map(|s| router.register(s))).await;
-    for (spec, result) in specs.into_iter().zip(results) {
-        if let Err(e) = result {
-            tracing::warn!(url = %spec.url, error = %e, "start-up registration failed; retrying in background");
-            router.spawn_register_with_retry(spec);
-        }
-    }
+    // Start-up workers get their first attempt inline so a router started against a running
+    // fleet is usable as soon as `serve` returns; workers not up yet keep being retried in the
+    // background, and a dynamic source's edits are applied by its consumer task.
+    let worker_source = worker_source::start(&router, source, sync_progress).await;
     router.spawn_health_loop();
     let internal = internal::internal_app(router.clone(), server::readiness_gates(&router));
     let internal_token = router.shutdown.clone();
@@ -166,7 +187,7 @@ pub async fn serve_with_registry(
             tracing::error!(error = %e, "server stopped with an error");
         }
     });
-    tracing::info!(%addr, %internal_addr, source = source.name(), "kvroute listening");
+    tracing::info!(%addr, %internal_addr, source = %source_name, "kvroute listening");
     Ok(RouterHandle {
         addr,
         internal_addr,
@@ -174,5 +195,6 @@ pub async fn serve_with_registry(
         join,
         internal_join,
         peer_source,
+        worker_source,
     })
 }

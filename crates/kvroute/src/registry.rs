@@ -23,26 +23,6 @@ use crate::tokenize::ModelTokenizer;
 
 pub type WorkerId = u64;
 
-/// Where workers come from. Only the static list (CLI + admin API) exists today; a Kubernetes
-/// source (EndpointSlice watch) would implement this too and is NOT implemented yet.
-pub trait WorkerSource: Send + Sync {
-    fn name(&self) -> &str;
-    /// Workers known at start-up.
-    fn initial_workers(&self) -> Vec<crate::config::WorkerSpec>;
-}
-
-/// The `--worker-urls` list.
-pub struct StaticWorkerSource(pub Vec<crate::config::WorkerSpec>);
-
-impl WorkerSource for StaticWorkerSource {
-    fn name(&self) -> &str {
-        "static"
-    }
-    fn initial_workers(&self) -> Vec<crate::config::WorkerSpec> {
-        self.0.clone()
-    }
-}
-
 /// Router-side load of one rank: what the router itself has sent and not yet seen finish.
 #[derive(Debug, Default)]
 pub struct RankLoad {

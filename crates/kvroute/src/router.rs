@@ -106,7 +106,12 @@ impl Router {
         Ok(Router {
             peers,
             snapshots,
-            kv: KvBridge::new(config.kv_defaults.clone(), &prom).map_err(|e| e.to_string())?,
+            kv: KvBridge::new(
+                config.kv_defaults.clone(),
+                &prom,
+                config.prefix_oracle.clone(),
+            )
+            .map_err(|e| e.to_string())?,
             policy: Policy::new(config.policy, config.weights, config.rng_seed),
             registry: Registry::default(),
             tokenizers: TokenizerSet::default(),

@@ -14,7 +14,11 @@ async fn the_demo_completes_every_policy_and_cache_aware_reuses_the_cache() {
         policies: vec![],
     };
     let results = kvroute::demo::run_policies(&args).await.expect("demo runs");
-    assert_eq!(results.len(), kvroute::PolicyKind::ALL.len());
+    assert_eq!(
+        results.len(),
+        kvroute::PolicyKind::ALL.len() + 1,
+        "every policy plus the oracle run"
+    );
     for r in &results {
         assert_eq!(r.failures, 0, "{r:?}");
         assert_eq!(r.requests, 8, "{r:?}");
@@ -22,8 +26,15 @@ async fn the_demo_completes_every_policy_and_cache_aware_reuses_the_cache() {
     }
     let cache_aware = results
         .iter()
-        .find(|r| r.policy == kvroute::PolicyKind::CacheAware)
+        .find(|r| r.policy == kvroute::PolicyKind::CacheAware && !r.oracle)
         .unwrap();
     // Second turns resend the first turn's whole prompt: the engine must report reuse.
     assert!(cache_aware.hit_rate > 0.3, "{cache_aware:?}");
+    let oracle = results.iter().find(|r| r.oracle).unwrap();
+    assert_eq!(oracle.name(), "oracle");
+    assert!(
+        oracle.hit_rate > 0.3,
+        "routing on the engines' real caches must reuse them too: {oracle:?}"
+    );
+    assert!(kvroute::demo::cache_aware_to_oracle_hit_rate(&results).is_some());
 }

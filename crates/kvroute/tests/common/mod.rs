@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvroute::{RouterConfig, WorkerSpec};
 use kvroute_sim::{Fleet, SimConfig};
-use serde_json::Value;
+use serde_json::{Value, json};
 
 pub const WAIT_DEADLINE: Duration = Duration::from_secs(10);
 
@@ -86,4 +86,89 @@ pub fn decision(headers: &reqwest::header::HeaderMap) -> String {
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_string()
+}
+
+pub async fn workers(base: &str) -> Value {
+    client()
+        .get(format!("{base}/workers"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// Waits until every rank of every worker has a connected KV subscriber.
+pub async fn wait_subscribed(base: &str, ranks: usize) {
+    wait_until(
+        "every rank's KV subscriber to connect",
+        WAIT_DEADLINE,
+        || async {
+            let w = workers(base).await;
+            let states: Vec<String> = w["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|w| w["kv_ranks"].as_array().cloned().unwrap_or_default())
+                .map(|r| r["subscriber"].as_str().unwrap_or("?").to_string())
+                .collect();
+            if states.len() == ranks && states.iter().all(|s| s == "connected") {
+                Ok(())
+            } else {
+                Err(format!("{states:?}"))
+            }
+        },
+    )
+    .await;
+}
+
+/// Stores `chain` on `engine`'s `rank` until the router's index shows `blocks` of it there.
+///
+/// ZMQ drops batches published before a subscription takes effect (slow joiner), and the plane
+/// notices a lost batch only when a later one arrives. So each attempt first publishes a fresh
+/// one-block sentinel (a new batch, which exposes any gap and triggers replay), then the chain.
+pub async fn store_until_indexed(
+    base: &str,
+    engine: &kvroute_sim::EngineHandle,
+    rank: u32,
+    chain: &[u32],
+    blocks: u64,
+) {
+    let url = engine.http_url();
+    let block = engine.block_size();
+    let mut attempt = 0u32;
+    wait_until(
+        "the stored chain to reach the router's index",
+        WAIT_DEADLINE,
+        || {
+            attempt += 1;
+            let sentinel: Vec<u32> = (0..block as u32)
+                .map(|t| 60_000 + attempt * 64 + t)
+                .collect();
+            engine.store_chains(rank as usize, &[sentinel]);
+            engine.store_chains(rank as usize, &[chain.to_vec()]);
+            let (base, url, chain) = (base.to_string(), url.clone(), chain.to_vec());
+            async move {
+                let (_, v, _) = post_json(
+                    &format!("{base}/debug/route"),
+                    &json!({"model": "m", "prompt": chain}),
+                )
+                .await;
+                let got = v["ranks"]
+                    .as_array()
+                    .and_then(|r| {
+                        r.iter()
+                            .find(|r| r["url"] == url.as_str() && r["dp_rank"] == rank)
+                    })
+                    .and_then(|r| r["matched_blocks"].as_u64());
+                if got == Some(blocks) {
+                    Ok(())
+                } else {
+                    Err(format!("matched {got:?}: {v}"))
+                }
+            }
+        },
+    )
+    .await;
 }

@@ -1,0 +1,122 @@
+//! The demo's oracle seam: a `PrefixOracle` in the config replaces the index as the source of
+//! per-rank matches, and `SimCacheOracle` reports exactly the leading blocks a simulated
+//! engine's cache holds.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use kvroute::demo::SimCacheOracle;
+use kvroute::kv::{PrefixOracle, RankHit};
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sim_cache_oracle_reports_each_ranks_cached_leading_blocks() {
+    let fleet = fleet(2, 2, "m").await;
+    let block = fleet.engines[0].block_size();
+    let prompt: Vec<u32> = (0..(block * 6) as u32).map(|t| 2000 + t).collect();
+    fleet.engines[1].store_chains(1, &[prompt[..block * 5].to_vec()]);
+    fleet.engines[0].store_chains(0, &[prompt[..block * 2].to_vec()]);
+    let oracle = SimCacheOracle::new("m", &fleet);
+    let mut seen: Vec<(String, u32, RankHit)> = Vec::new();
+    let bs = oracle.match_prefix("m", &prompt, &mut |url, dp, hit| {
+        seen.push((url.to_string(), dp, hit))
+    });
+    assert_eq!(bs, Some(block));
+    seen.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+    let mut want = vec![
+        (
+            fleet.engines[0].http_url(),
+            0,
+            RankHit {
+                matched_blocks: 2,
+                device_blocks: 2,
+            },
+        ),
+        (
+            fleet.engines[1].http_url(),
+            1,
+            RankHit {
+                matched_blocks: 5,
+                device_blocks: 5,
+            },
+        ),
+    ];
+    want.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+    assert_eq!(seen, want);
+    // A prompt that differs in its first block matches nothing anywhere (keys are chained).
+    let mut other = prompt.clone();
+    other[0] += 1;
+    let mut any = 0;
+    oracle.match_prefix("m", &other, &mut |_, _, _| any += 1);
+    assert_eq!(any, 0);
+    assert_eq!(
+        oracle.match_prefix("other-model", &prompt, &mut |_, _, _| {}),
+        None
+    );
+    fleet.shutdown().await;
+}
+
+/// A test double: claims one rank holds `blocks` leading blocks of every prompt.
+struct FixedOracle {
+    url: String,
+    dp_rank: u32,
+    blocks: u32,
+}
+
+impl PrefixOracle for FixedOracle {
+    fn match_prefix(
+        &self,
+        _model: &str,
+        _tokens: &[u32],
+        visit: &mut dyn FnMut(&str, u32, RankHit),
+    ) -> Option<usize> {
+        visit(
+            &self.url,
+            self.dp_rank,
+            RankHit {
+                matched_blocks: self.blocks,
+                device_blocks: self.blocks,
+            },
+        );
+        Some(16)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_oracle_replaces_the_index_in_routing_decisions() {
+    let fleet = fleet(2, 2, "m").await;
+    let target = fleet.engines[1].http_url();
+    let cfg = kvroute::RouterConfig {
+        prefix_oracle: Some(Arc::new(FixedOracle {
+            url: target.clone(),
+            dp_rank: 1,
+            blocks: 3,
+        })),
+        ..router_config(&urls(&fleet))
+    };
+    let router = kvroute::serve(cfg).await.unwrap();
+    let base = router.url();
+    // Nothing was ever cached, so the index knows nothing: any match must come from the oracle.
+    let prompt: Vec<u32> = (0..64u32).map(|t| 9000 + t).collect();
+    let (status, v, _) = post_json(
+        &format!("{base}/debug/route"),
+        &json!({"model": "m", "prompt": prompt}),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["reason"], "cache_hit", "{v}");
+    assert_eq!(v["chosen"]["url"], target.as_str(), "{v}");
+    assert_eq!(v["chosen"]["dp_rank"], 1, "{v}");
+    for r in v["ranks"].as_array().unwrap() {
+        let expect = if r["url"] == target.as_str() && r["dp_rank"] == 1 {
+            3
+        } else {
+            0
+        };
+        assert_eq!(r["matched_blocks"], expect, "{r}");
+    }
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
