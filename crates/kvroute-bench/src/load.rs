@@ -444,11 +444,9 @@ pub async fn run(cfg: LoadConfig) -> Result<Report, LoadError> {
     };
     let window_start = shared.warmup_end;
     let window_end = total.last_done.unwrap_or(window_start).max(window_start);
-    let measured_window_s = match cfg.mode {
-        // The open loop's window is the schedule itself; the achieved rate is what completed.
-        Mode::Open { .. } => window_end.duration_since(window_start).as_secs_f64(),
-        Mode::Closed => window_end.duration_since(window_start).as_secs_f64(),
-    };
+    // The window runs from the end of the warm-up to the last recorded completion; in the open
+    // loop that is the schedule (plus any lag), in the closed loop the busy period.
+    let measured_window_s = window_end.duration_since(window_start).as_secs_f64();
     let h = &total.hist;
     let us = |ns: u64| ns as f64 / 1_000.0;
     Ok(Report {

@@ -82,10 +82,17 @@ impl HashSlots {
         self.slots.capacity() * std::mem::size_of::<u64>()
     }
 
-    /// Hints the CPU to load the slot `hash` starts probing at.
+    /// Hints the CPU to load the slots `hash` probes first: the home slot and the 7 after it,
+    /// which straddle a second cache line unless the home starts its line. At this load an entry
+    /// sits a slot or two past its home on average, so without the second hint about one lookup
+    /// in six would take an unhidden miss.
     #[inline]
     pub(crate) fn prefetch(&self, hash: u64) {
-        if let Some(slot) = self.slots.get(self.home(hash)) {
+        let home = self.home(hash);
+        if let Some(slot) = self.slots.get(home) {
+            prefetch_ptr(slot);
+        }
+        if let Some(slot) = self.slots.get(home + 7) {
             prefetch_ptr(slot);
         }
     }

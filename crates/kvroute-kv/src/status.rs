@@ -118,15 +118,10 @@ impl StatusTable {
         state: SubscriberState,
         metrics: &KvMetrics,
     ) {
-        let mut entries = self.entries.write();
-        let Some(e) = entries
-            .get_mut(key)
-            .filter(|e| e.status.incarnation == incarnation)
-        else {
-            return;
-        };
-        e.socket = state;
-        Self::publish(key, e, metrics);
+        self.update_current(key, incarnation, |e| {
+            e.socket = state;
+            Self::publish(key, e, metrics);
+        });
     }
 
     pub fn update_from_pump(
@@ -138,23 +133,32 @@ impl StatusTable {
         replaying: bool,
         metrics: &KvMetrics,
     ) {
+        self.update_current(key, incarnation, |e| {
+            e.status.cursor = cursor;
+            e.status.applied_batches = counters.applied_batches;
+            e.status.duplicate_batches = counters.duplicate_batches;
+            e.status.lost_batches = counters.lost_batches;
+            e.status.replays = counters.replays_started;
+            e.status.publisher_restarts = counters.publisher_restarts;
+            let changed = e.replaying != replaying;
+            e.replaying = replaying;
+            if changed {
+                Self::publish(key, e, metrics);
+            }
+        });
+    }
+
+    /// Applies `update` to the entry of `key` only while it still belongs to `incarnation`, so a
+    /// writer of a removed (or re-added) registration is ignored instead of overwriting the
+    /// newer one. The write lock is held across `update` so the entry and its gauge change
+    /// together.
+    fn update_current(&self, key: &RankKey, incarnation: u64, update: impl FnOnce(&mut Entry)) {
         let mut entries = self.entries.write();
-        let Some(e) = entries
+        if let Some(e) = entries
             .get_mut(key)
             .filter(|e| e.status.incarnation == incarnation)
-        else {
-            return;
-        };
-        e.status.cursor = cursor;
-        e.status.applied_batches = counters.applied_batches;
-        e.status.duplicate_batches = counters.duplicate_batches;
-        e.status.lost_batches = counters.lost_batches;
-        e.status.replays = counters.replays_started;
-        e.status.publisher_restarts = counters.publisher_restarts;
-        let changed = e.replaying != replaying;
-        e.replaying = replaying;
-        if changed {
-            Self::publish(key, e, metrics);
+        {
+            update(e);
         }
     }
 

@@ -49,6 +49,16 @@ impl<S: KvSource> SubscriberCtx<S> {
         }
     }
 
+    /// The subscription's next event, or `None` once cancelled (cancellation wins a tie, so a
+    /// removed worker stops even while its engine keeps publishing).
+    async fn next_event(&self, sub: &mut S::Subscription) -> Option<SourceEvent> {
+        tokio::select! {
+            biased;
+            _ = self.cancel.cancelled() => None,
+            ev = sub.next_event() => Some(ev),
+        }
+    }
+
     fn set_state(&self, state: SubscriberState) {
         self.status
             .set_socket_state(&self.key, self.incarnation, state, &self.metrics);
@@ -62,10 +72,8 @@ pub(crate) async fn run_kv_subscriber<S: KvSource>(ctx: SubscriberCtx<S>) {
         return;
     };
     loop {
-        let ev = tokio::select! {
-            biased;
-            _ = ctx.cancel.cancelled() => return,
-            ev = sub.next_event() => ev,
+        let Some(ev) = ctx.next_event(&mut sub).await else {
+            return;
         };
         let msg = match ev {
             SourceEvent::Connected => {
@@ -113,10 +121,8 @@ pub(crate) async fn run_load_subscriber<S: KvSource>(ctx: SubscriberCtx<S>) {
         return;
     };
     loop {
-        let ev = tokio::select! {
-            biased;
-            _ = ctx.cancel.cancelled() => return,
-            ev = sub.next_event() => ev,
+        let Some(ev) = ctx.next_event(&mut sub).await else {
+            return;
         };
         let SourceEvent::Message { payload, .. } = ev else {
             continue;

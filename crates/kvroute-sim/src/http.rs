@@ -237,6 +237,17 @@ enum Kind {
     Generate,
 }
 
+impl Kind {
+    /// The prefix of response ids, as the engines shape them (`cmpl-`, `chatcmpl-`).
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Kind::Completion => "cmpl",
+            Kind::Chat => "chatcmpl",
+            Kind::Generate => "gen",
+        }
+    }
+}
+
 struct Job {
     kind: Kind,
     id: String,
@@ -246,6 +257,43 @@ struct Job {
     max_tokens: usize,
     rank: usize,
     include_usage: bool,
+}
+
+impl Job {
+    /// A job for an already validated request: a fresh id, the requested model (else the
+    /// served one) and a rank picked now, so the least-loaded choice sees the current load.
+    fn new(
+        engine: &Engine,
+        kind: Kind,
+        model: Option<String>,
+        rank_hint: Option<usize>,
+        tokens: Vec<u32>,
+        max_tokens: usize,
+        include_usage: bool,
+    ) -> Job {
+        Job {
+            kind,
+            id: format!(
+                "{}-e{}-{}",
+                kind.id_prefix(),
+                engine.index,
+                engine.next_request_id()
+            ),
+            created: unix_now(),
+            model: model.unwrap_or_else(|| engine.cfg.served_model_name.clone()),
+            rank: engine.pick_rank(rank_hint),
+            tokens,
+            max_tokens,
+            include_usage,
+        }
+    }
+}
+
+/// OpenAI's `stream_options.include_usage`, off unless asked for.
+fn wants_usage(stream_options: Option<StreamOptions>) -> bool {
+    stream_options
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false)
 }
 
 fn unix_now() -> u64 {
@@ -333,6 +381,28 @@ fn encode_text(engine: &Engine, text: &str, param: &'static str) -> Result<Vec<u
         .text
         .encode(text)
         .map_err(|e| ApiError::bad_request(format!("cannot tokenize {param}: {e}"), Some(param)))
+}
+
+/// The first prompt of a batch of token-id lists: the simulator serves a batch's first element
+/// only (documented); an empty batch is an empty prompt, which `check_prompt` then refuses.
+fn first_ids(mut batch: Vec<Vec<u32>>) -> Vec<u32> {
+    if batch.is_empty() {
+        Vec::new()
+    } else {
+        batch.swap_remove(0)
+    }
+}
+
+/// The tokens of the first prompt of a batch of texts (see `first_ids`).
+fn first_text_tokens(
+    engine: &Engine,
+    batch: &[String],
+    param: &'static str,
+) -> Result<Vec<u32>, ApiError> {
+    match batch.first() {
+        Some(t) => encode_text(engine, t, param),
+        None => Ok(Vec::new()),
+    }
 }
 
 fn usage(job: &Job, completion_tokens: usize, cached_tokens: usize) -> Value {
@@ -524,34 +594,19 @@ async fn completions(
         None => return Err(ApiError::bad_request("prompt is required", Some("prompt"))),
         Some(PromptInput::Text(t)) => encode_text(&engine, &t, "prompt")?,
         Some(PromptInput::Ids(ids)) => ids,
-        Some(PromptInput::Texts(ts)) => match ts.first() {
-            Some(t) => encode_text(&engine, t, "prompt")?,
-            None => Vec::new(),
-        },
-        Some(PromptInput::IdLists(mut ls)) => {
-            if ls.is_empty() {
-                Vec::new()
-            } else {
-                ls.swap_remove(0)
-            }
-        }
+        Some(PromptInput::Texts(ts)) => first_text_tokens(&engine, &ts, "prompt")?,
+        Some(PromptInput::IdLists(ls)) => first_ids(ls),
     };
     let tokens = check_prompt(tokens, "prompt")?;
-    let job = Job {
-        kind: Kind::Completion,
-        id: format!("cmpl-e{}-{}", engine.index, engine.next_request_id()),
-        created: unix_now(),
-        model: req
-            .model
-            .unwrap_or_else(|| engine.cfg.served_model_name.clone()),
-        rank: engine.pick_rank(rank),
+    let job = Job::new(
+        &engine,
+        Kind::Completion,
+        req.model,
+        rank,
         tokens,
         max_tokens,
-        include_usage: req
-            .stream_options
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false),
-    };
+        wants_usage(req.stream_options),
+    );
     Ok(dispatch(engine, job, req.stream.unwrap_or(false)).await)
 }
 
@@ -598,21 +653,15 @@ async fn chat_completions(
         .render_chat(&messages)
         .map_err(|e| ApiError::bad_request(format!("chat template: {e}"), Some("messages")))?;
     let tokens = check_prompt(encode_text(&engine, &rendered, "messages")?, "messages")?;
-    let job = Job {
-        kind: Kind::Chat,
-        id: format!("chatcmpl-e{}-{}", engine.index, engine.next_request_id()),
-        created: unix_now(),
-        model: req
-            .model
-            .unwrap_or_else(|| engine.cfg.served_model_name.clone()),
-        rank: engine.pick_rank(rank),
+    let job = Job::new(
+        &engine,
+        Kind::Chat,
+        req.model,
+        rank,
         tokens,
         max_tokens,
-        include_usage: req
-            .stream_options
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false),
-    };
+        wants_usage(req.stream_options),
+    );
     Ok(dispatch(engine, job, req.stream.unwrap_or(false)).await)
 }
 
@@ -633,18 +682,9 @@ async fn generate(
     )?;
     let tokens = match (req.input_ids, req.text) {
         (Some(IdsInput::One(ids)), _) => ids,
-        (Some(IdsInput::Many(mut ls)), _) => {
-            if ls.is_empty() {
-                Vec::new()
-            } else {
-                ls.swap_remove(0)
-            }
-        }
+        (Some(IdsInput::Many(ls)), _) => first_ids(ls),
         (None, Some(TextInput::One(t))) => encode_text(&engine, &t, "text")?,
-        (None, Some(TextInput::Many(ts))) => match ts.first() {
-            Some(t) => encode_text(&engine, t, "text")?,
-            None => Vec::new(),
-        },
+        (None, Some(TextInput::Many(ts))) => first_text_tokens(&engine, &ts, "text")?,
         (None, None) => {
             return Err(ApiError::bad_request(
                 "either text or input_ids is required",
@@ -653,16 +693,16 @@ async fn generate(
         }
     };
     let tokens = check_prompt(tokens, "text")?;
-    let job = Job {
-        kind: Kind::Generate,
-        id: format!("gen-e{}-{}", engine.index, engine.next_request_id()),
-        created: unix_now(),
-        model: engine.cfg.served_model_name.clone(),
-        rank: engine.pick_rank(rank),
+    // SGLang's `/generate` names no model and has no usage chunk.
+    let job = Job::new(
+        &engine,
+        Kind::Generate,
+        None,
+        rank,
         tokens,
         max_tokens,
-        include_usage: false,
-    };
+        false,
+    );
     Ok(dispatch(engine, job, req.stream.unwrap_or(false)).await)
 }
 
