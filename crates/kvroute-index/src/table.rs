@@ -26,7 +26,8 @@ const TAG_MASK: u64 = 0xFFFF_FFFF_0000_0000;
 /// Growth threshold: at most 4/5 of the homes in use. Memory alone would say 9/10 (sorted runs
 /// keep misses short even then), but side-by-side runs of the cold routing bench measured p50
 /// clearly slower at 0.9 than at 0.75: entries sit further from their prefetched home, often in
-/// the next cache line. 0.8 is the highest load that still fits the 40 B/pair budget with margin.
+/// the next cache line. 0.8 is the lowest cap that keeps the index within its 40 B per carried
+/// pair budget (0.75 with the same growth step measured 40.1 B; see docs/BENCHMARKS.md).
 const MAX_LOAD_NUM: usize = 4;
 const MAX_LOAD_DEN: usize = 5;
 /// Each growth step multiplies the home count by 5/4, which keeps the load between 0.64 and 0.8
@@ -85,7 +86,7 @@ impl HashSlots {
     /// Hints the CPU to load the slots `hash` probes first: the home slot and the 7 after it,
     /// which straddle a second cache line unless the home starts its line. At this load an entry
     /// sits a slot or two past its home on average, so without the second hint about one lookup
-    /// in six would take an unhidden miss.
+    /// in six takes an unhidden miss. (Measured gain: small, within this host's noise.)
     #[inline]
     pub(crate) fn prefetch(&self, hash: u64) {
         let home = self.home(hash);
