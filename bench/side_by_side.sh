@@ -15,9 +15,14 @@
 # - Peers get the body shape they accept: sglang-router 0.3.2's /v1/completions refuses token
 #   ids, so it gets /generate {input_ids}; its cache_aware tree works on text, so a text row is
 #   measured too. vllm-router gets /v1/completions with ids and with text. Every row says what
-#   the router received. Added latency = router percentile minus the direct percentile of the
-#   same body, at the same fixed rate (open loop, latency from the scheduled send time).
+#   the router received. Added latency = router percentile minus the percentile of a paired
+#   direct run (same body, same backend, measured just before the router row), at the same fixed
+#   rate (open loop, latency from the scheduled send time).
+# - Extra rows: nginx as a plain reverse proxy (the cost floor of one extra HTTP hop), and
+#   vllm-router's own KV-event policy (kv_aware) fed by vLLM-encoded sim publishers.
 # - Throughput: wrk -t2 -c32 (the issue's reference tool). Latency: kvroute-loadgen open loop.
+# - After the rows, a 1,000,000-request closed-loop run through kvroute cache_aware with its RSS
+#   read from /proc every second (memory must stay flat after warm-up).
 #
 # Usage: bench/side_by_side.sh
 # Env: SKIP_BUILD (1 = use the existing release binaries) THROUGHPUT_S (10) LATENCY_S (20) RATE (1000) CONNS (32) RSS_REQUESTS (1000000; 0 skips
@@ -176,7 +181,7 @@ ensure_backends
 
 # ------------------------------------------------------------------------------------- rows ---
 results="$out/results.tsv"
-printf 'row\trouter\tpolicy\tbackend\tendpoint\tbody\treq_per_s\twrk_non2xx\tp50_us\tp90_us\tp99_us\tp999_us\tmax_us\tlat_errors\ttokenize_calls\tloadavg\n' >"$results"
+printf 'row\trouter\tpolicy\tbackend\tendpoint\tbody\treq_per_s\twrk_non2xx\tp50_us\tp90_us\tp99_us\tp999_us\tmax_us\tlat_errors\ttokenize_calls\tloadavg\tbase_p50_us\tbase_p99_us\n' >"$results"
 
 router_pid=""
 stop_router() {
@@ -201,6 +206,20 @@ measure() { # name router policy backend url body
   rps="$(awk '/^Requests\/sec/ {print $2}' <<<"$wrk_out")"
   non2xx="$(awk '/Non-2xx/ {print $NF}' <<<"$wrk_out")"
   tok1="$(wc -l <"$ng/tokenize.log" 2>/dev/null || echo 0)"
+  # Paired baseline: the same body straight to the backend, measured right before the router
+  # row, so "added" compares two measurements taken under the same background load (other jobs
+  # share this machine and its load drifts over a run).
+  local base="-	-"
+  if [ "$router" != direct ]; then
+    local direct_url="http://127.0.0.1:$NG_A/$endpoint"
+    [ "$backend" = kvroute-sim ] && direct_url="http://127.0.0.1:$SIM_HTTP/$endpoint"
+    log "$name: paired direct baseline $direct_url"
+    if "$bin/kvroute-loadgen" --url "$direct_url" --body-file "$out/$body" --rate "$RATE" \
+      --duration-s "$LATENCY_S" --warmup-s 2 --connections "$CONNS" --json \
+      >"$out/$name.base.json" 2>"$out/$name.base.err"; then
+      base="$(python3 -c 'import json,sys; l=json.load(open(sys.argv[1]))["latency_us"]; print("%d\t%d" % (round(l["p50"]), round(l["p99"])))' "$out/$name.base.json")"
+    fi
+  fi
   log "$name: loadgen open loop $RATE req/s for ${LATENCY_S}s"
   "$bin/kvroute-loadgen" --url "$url" --body-file "$out/$body" --rate "$RATE" \
     --duration-s "$LATENCY_S" --warmup-s 2 --connections "$CONNS" --json >"$out/$name.lat.json" \
@@ -221,8 +240,8 @@ print("\t".join(str(round(x)) for x in (l["p50"], l["p90"], l["p99"], l["p999"],
   elif [ "$router" != direct ]; then
     curl -s --max-time 2 "http://127.0.0.1:$PROM/metrics" >"$out/$name.metrics.txt" || true
   fi
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$router" "$policy" "$backend" \
-    "/$endpoint" "$body" "$rps" "${non2xx:-0}" "$lat" "$((tok1 - tok0))" "$load" >>"$results"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$router" "$policy" "$backend" \
+    "/$endpoint" "$body" "$rps" "${non2xx:-0}" "$lat" "$((tok1 - tok0))" "$load" "$base" >>"$results"
 }
 
 want() { [[ "$1" =~ $ROWS ]]; }
@@ -396,21 +415,19 @@ python3 - "$out" <<'EOF'
 import csv, json, os, sys
 out = sys.argv[1]
 rows = list(csv.DictReader(open(out + "/results.tsv"), delimiter="\t"))
-direct = {(r["backend"], r["body"]): r for r in rows if r["router"] == "direct"}
-def added(r, k):
-    base = direct.get(("kvroute-sim" if r["backend"] == "kvroute-sim" else "nginx", r["body"]))
-    if r["router"] == "direct" or base is None:
-        return ""
-    return "%+d" % (int(r[k]) - int(base[k]))
-print("| router | policy | backend | request | req/s (wrk c=32) | p50 / p99 us @%s req/s | added p50 / p99 us | errors | /tokenize calls | load avg |" % os.environ.get("RATE", "1000"))
+def added(r):
+    if r["router"] == "direct" or r.get("base_p50_us") in (None, "", "-"):
+        return "-"
+    return "%+d / %+d (base %s / %s)" % (int(r["p50_us"]) - int(r["base_p50_us"]),
+        int(r["p99_us"]) - int(r["base_p99_us"]), r["base_p50_us"], r["base_p99_us"])
+print("| router | policy | backend | request | req/s (wrk c=32) | p50 / p99 us @%s req/s | added p50 / p99 us vs paired direct | errors | /tokenize calls | load avg |" % os.environ.get("RATE", "1000"))
 print("|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     errs = int(r["wrk_non2xx"] or 0) + int(r["lat_errors"] or 0)
     print("| %s | %s | %s | %s %s | %s | %s / %s | %s | %d | %s | %s |" % (
         r["router"], r["policy"], r["backend"], r["endpoint"], r["body"].replace(".json", ""),
         f'{float(r["req_per_s"]):,.0f}' if r["req_per_s"] else "?", r["p50_us"], r["p99_us"],
-        (added(r, "p50_us") + " / " + added(r, "p99_us")) if added(r, "p50_us") else "-",
-        errs, r["tokenize_calls"], r["loadavg"]))
+        added(r), errs, r["tokenize_calls"], r["loadavg"]))
 print("\nbackend restarts during the run: " + open(out + "/backend-restarts.txt").read().strip())
 rss = out + "/rss.tsv"
 if os.path.exists(rss) and os.path.exists(out + "/rss-run.json"):
