@@ -126,7 +126,8 @@ impl Endpoint {
 
 pub struct Forward<'a> {
     pub endpoint: Endpoint,
-    pub body: serde_json::Map<String, serde_json::Value>,
+    /// The parsed body; `None` when it was never materialised, and then `original` is the body.
+    pub body: Option<serde_json::Map<String, serde_json::Value>>,
     /// The client's bytes, forwarded as they are when the router changed nothing (saves a
     /// serialization on the hot path); `None` when `body` was rewritten.
     pub original: Option<bytes::Bytes>,
@@ -135,17 +136,42 @@ pub struct Forward<'a> {
 }
 
 fn upstream_body(fwd: &Forward<'_>, worker: &Worker, dp_rank: u32) -> Result<Bytes, ApiError> {
+    encode_upstream_body(
+        fwd.body.as_ref(),
+        fwd.original.as_ref(),
+        worker.dp_size,
+        dp_rank,
+    )
+}
+
+fn encode_upstream_body(
+    body: Option<&serde_json::Map<String, serde_json::Value>>,
+    original: Option<&Bytes>,
+    dp_size: u32,
+    dp_rank: u32,
+) -> Result<Bytes, ApiError> {
+    let encode_err =
+        |e: serde_json::Error| ApiError::Internal(format!("cannot encode upstream body: {e}"));
     // Only DP engines get the field: an engine without DP may reject an unknown field.
-    if worker.dp_size > 1 {
-        let mut body = fwd.body.clone();
+    if dp_size > 1 {
+        let mut body = match (body, original) {
+            (Some(b), _) => b.clone(),
+            // The fast path skipped materialising the body; DP engines are the rare case.
+            (None, Some(o)) => serde_json::from_slice(o).map_err(encode_err)?,
+            (None, None) => return Err(ApiError::Internal("no upstream body".into())),
+        };
         body.insert("data_parallel_rank".into(), dp_rank.into());
-        serde_json::to_vec(&body).map(Bytes::from)
-    } else if let Some(original) = &fwd.original {
-        Ok(original.clone())
-    } else {
-        serde_json::to_vec(&fwd.body).map(Bytes::from)
+        return serde_json::to_vec(&body)
+            .map(Bytes::from)
+            .map_err(encode_err);
     }
-    .map_err(|e| ApiError::Internal(format!("cannot encode upstream body: {e}")))
+    match (body, original) {
+        (_, Some(original)) => Ok(original.clone()),
+        (Some(body), None) => serde_json::to_vec(body)
+            .map(Bytes::from)
+            .map_err(encode_err),
+        (None, None) => Err(ApiError::Internal("no upstream body".into())),
+    }
 }
 
 /// Sends the request to the plan's ranks in order until one answers; returns the streaming
@@ -259,4 +285,25 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
     Err(ApiError::Upstream(format!(
         "no rank reachable after {attempts} attempts; last: {last_error}"
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unmaterialised_body_gets_the_dp_rank_and_keeps_every_client_field() {
+        let original = Bytes::from_static(br#"{"prompt":[1,2],"max_tokens":3}"#);
+        let out = encode_upstream_body(None, Some(&original), 2, 1).expect("encodes");
+        let v: serde_json::Value = serde_json::from_slice(&out).expect("valid JSON");
+        assert_eq!(
+            v,
+            serde_json::json!({"prompt": [1, 2], "max_tokens": 3, "data_parallel_rank": 1})
+        );
+        let plain = encode_upstream_body(None, Some(&original), 1, 0).expect("encodes");
+        assert_eq!(
+            plain, original,
+            "a non-DP engine gets the client's bytes untouched"
+        );
+    }
 }
