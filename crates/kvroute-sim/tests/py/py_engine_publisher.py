@@ -18,7 +18,7 @@ Protocol with the test (stdin/stdout, so nothing relies on sleeping):
 import json
 import sys
 import threading
-from typing import Any, Optional, Union
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -26,144 +26,57 @@ import zmq
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-# --- SGLang 0.5.23 shapes: array batch (no omit_defaults), map events (omit_defaults) -------
-class SgEvent(msgspec.Struct, tag=True, omit_defaults=True, array_like=False):
-    pass
-
-
-class SgBlockStored(SgEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: Optional[int]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str] = None
-    lora_name: Optional[str] = None
-    cache_salt: Optional[str] = None
-    session_id: Optional[str] = None
-
-
-class SgBlockRemoved(SgEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: Optional[str] = None
-
-
-class SgAllBlocksCleared(SgEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class SgBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[Union[SgBlockStored, SgBlockRemoved, SgAllBlocksCleared]]
-    attn_dp_rank: Optional[int] = None
-
-
-# --- vLLM 0.33 shapes: array batch with omit_defaults, map events --------------------------
-class VlEvent(msgspec.Struct, tag=True, omit_defaults=True):
-    pass
-
-
-class VlBlockStored(VlEvent, tag="BlockStored"):
-    block_hashes: list[Union[bytes, int]]
-    parent_block_hash: Union[bytes, int, None]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str]
-    extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
-    group_idx: Optional[int] = None
-    kv_cache_spec_kind: Optional[str] = None
-    kv_cache_spec_sliding_window: Optional[int] = None
-    locality: Optional[str] = None
-    ownership: Optional[str] = None
-    session_id: Optional[str] = None
-    lookahead_token_ids: Optional[list[int]] = None
-
-
-class VlBlockRemoved(VlEvent, tag="BlockRemoved"):
-    block_hashes: list[Union[bytes, int]]
-    medium: Optional[str]
-    group_idx: Optional[int] = None
-    locality: Optional[str] = None
-    ownership: Optional[str] = None
-
-
-class VlAllBlocksCleared(VlEvent, tag="AllBlocksCleared"):
-    pass
-
-
-VlEvents = list[Union[VlBlockStored, VlBlockRemoved, VlAllBlocksCleared]]
-
-
-class VlBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: VlEvents
-    data_parallel_rank: Optional[int] = None
-
-
-class VlMapBatch(msgspec.Struct, omit_defaults=True):
-    ts: float
-    events: VlEvents
-    data_parallel_rank: Optional[int] = None
-
-
-# --- Older engines: tagged positional-array events ----------------------------------------
-class LgEvent(msgspec.Struct, tag=True, array_like=True):
-    pass
-
-
-class LgBlockStored(LgEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: Optional[int]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str] = None
-
-
-class LgBlockRemoved(LgEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: Optional[str] = None
-
-
-class LgBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[Union[LgBlockStored, LgBlockRemoved]]
-    data_parallel_rank: Optional[int] = None
-
+# The engines' event classes are mirrored ONCE, in scripts/gen_wire_fixtures.py (the golden
+# fixture generator, whose mirrors are checked byte for byte against msgspec); this publisher
+# imports them rather than keeping a second copy that could drift.
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "scripts"))
+from gen_wire_fixtures import (  # noqa: E402
+    LegBatch,
+    LegBlockRemoved,
+    LegBlockStored,
+    SglAllBlocksCleared,
+    SglBatch,
+    SglBlockRemoved,
+    SglBlockStored,
+    V33Batch,
+    V33BlockRemoved,
+    V33BlockStored,
+    VMapAllBlocksCleared,
+    VMapBatch,
+    VMapBlockStored,
+)
 
 def batches() -> list[bytes]:
     enc = msgspec.msgpack.Encoder()
     ts = 1764460800.25
     return [
         # 0: SGLang, negative i64 hashes, one block per event, lora_name omitted.
-        enc.encode(SgBatch(ts, [
-            SgBlockStored([-521283848079677608], None, [1000, 1001, 1002, 1003], 4, None, "GPU"),
-            SgBlockStored([7], -521283848079677608, [1004, 1005, 1006, 1007], 4, None, "GPU"),
-            SgBlockRemoved([-521283848079677608], "GPU"),
-            SgAllBlocksCleared(),
+        enc.encode(SglBatch(ts, [
+            SglBlockStored([-521283848079677608], None, [1000, 1001, 1002, 1003], 4, None, "GPU"),
+            SglBlockStored([7], -521283848079677608, [1004, 1005, 1006, 1007], 4, None, "GPU"),
+            SglBlockRemoved([-521283848079677608], "GPU"),
+            SglAllBlocksCleared(),
         ], 0)),
         # 1: vLLM 0.33 int mode: u64 hashes >= 2^63, several blocks per event, group_idx.
-        enc.encode(VlBatch(ts, [
-            VlBlockStored([2465420568987988355, 14799765119358052597], None,
-                          list(range(1000, 1008)), 4, None, "GPU", None, group_idx=0),
-            VlBlockRemoved([14799765119358052597], "GPU", group_idx=0),
+        enc.encode(V33Batch(ts, [
+            V33BlockStored([2465420568987988355, 14799765119358052597], None,
+                           list(range(1000, 1008)), 4, None, "GPU", None, group_idx=0),
+            V33BlockRemoved([14799765119358052597], "GPU", group_idx=0),
         ], 1)),
         # 2: vLLM bytes mode: 32-byte hashes.
-        enc.encode(VlBatch(ts, [
-            VlBlockStored([bytes(range(32))], bytes(range(1, 33)), [1, 2, 3, 4], 4, None,
-                          "CPU", "adapter-a"),
+        enc.encode(V33Batch(ts, [
+            V33BlockStored([bytes(range(32))], bytes(range(1, 33)), [1, 2, 3, 4], 4, None,
+                           "CPU", "adapter-a"),
         ], 0)),
         # 3: newer vLLM: the batch itself a map.
-        enc.encode(VlMapBatch(ts, [
-            VlBlockStored([42], None, [9, 9, 9, 9], 4, 3, None, None),
-            VlAllBlocksCleared(),
+        enc.encode(VMapBatch(ts, [
+            VMapBlockStored([42], None, [9, 9, 9, 9], 4, 3, None, None),
+            VMapAllBlocksCleared(),
         ], 2)),
         # 4: legacy tagged-array events.
-        enc.encode(LgBatch(ts, [
-            LgBlockStored([-5, 6], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "CPU_PINNED"),
-            LgBlockRemoved([6], None),
+        enc.encode(LegBatch(ts, [
+            LegBlockStored([-5, 6], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "CPU_PINNED"),
+            LegBlockRemoved([6], None),
         ], None)),
     ]
 
