@@ -4,7 +4,16 @@
 //! * **Flat map per shard, keyed by chained content hash.** Because a block's hash identifies its
 //!   whole prefix (see [`crate::hash`]), a request's block `i` is found by a direct lookup instead
 //!   of a child walk; the tree structure (parent index, child count) is kept only for pruning
-//!   and for exporting parents before children (export derives depths from parent links).
+//!   and for exporting parents before children (export orders nodes depth-first from parent
+//!   links).
+//! * **Chains are followed through the slab.** Nodes created by one store event get consecutive
+//!   slab slots (and export's depth-first order makes a restore lay chains out the same way), so
+//!   the routing walk first checks whether block `i`'s node is the slab successor of block
+//!   `i - 1`'s, confirming with the full 64-bit hash just as a slot hit is confirmed. Along such
+//!   a chain it streams node lines that are adjacent in memory and never touches the hash slots
+//!   (a random cache line per block); off the chain it falls back to slot lookups requested
+//!   [`MATCH_SLOT_LEAD_BLOCKS`] ahead. Both are exact; only the speed depends on the layout
+//!   (figures for both in docs/BENCHMARKS.md).
 //! * **Shard = chain root.** A node lives in the shard chosen by its chain's ROOT block hash, so a
 //!   whole prefix lives in one shard: `match_prefix` takes one read lock for the whole walk and a
 //!   store event takes one write lock (per event, never longer), so a reader can never see half of
@@ -14,6 +23,10 @@
 //!   lets the routing path prefetch the slots of upcoming blocks. Each node has ONE inline
 //!   carrier; only nodes carried by several ranks (shared prefixes) spill to a per-shard list
 //!   pool, stored as parallel `words` / `engines` arrays so matching reads 4 bytes per carrier.
+//!   A list node keeps an order-independent 64-bit digest of its carrier set in the bytes an
+//!   inline carrier's engine hash would use, so the walk tells whether a node continues the
+//!   previous node's carrier run from the node line alone: a prefix shared by 64 ranks costs
+//!   one node line per block, not a 256-byte list read and comparison.
 //! * **Carrier = (rank, tiers, engine hash), and the engine hash is stored ONCE, there.** Export
 //!   is then a linear pass over each shard's slab under bounded read locks.
 //! * **Index-only side map per rank** (engine hash -> node ref), writer-private: engines announce
@@ -75,8 +88,10 @@ pub const DEFAULT_MAX_CARRIED_BLOCKS: u64 = 50_000_000;
 /// Blocks of one removal event applied under one shard write lock before it is released, which
 /// bounds how long a reader can wait behind a huge removal.
 pub const MAX_BLOCKS_PER_LOCK: usize = 4096;
-/// Block lookups issued together by `match_prefix` (see there).
-pub const MATCH_BATCH_BLOCKS: usize = 32;
+/// How many blocks ahead of the block being matched the routing path requests hash slots
+/// (and `match_tokens` hashes) while chains are not being followed through the slab; see
+/// `match_prefix`.
+pub const MATCH_SLOT_LEAD_BLOCKS: usize = 32;
 /// Eviction brings the carried count down to this share of the cap so it runs rarely.
 pub const EVICT_TARGET_PERCENT: u64 = 95;
 
@@ -240,13 +255,32 @@ pub(crate) fn word_tiers(w: u32) -> u8 {
     (w & 0x0f) as u8
 }
 
-/// 32 bytes, two per cache line. No depth is stored (export derives it from parent links) and
+/// One carrier word's share of a [`set_digest`]: a bijective 64-bit mix, so distinct words
+/// never share a share.
+#[inline]
+fn word_share(w: u32) -> u64 {
+    mix_engine(u64::from(w))
+}
+
+/// The wrapping sum of [`word_share`] over a carrier set: order-independent (a set is a set,
+/// whatever order its ranks were added in) and updated in O(1) as words come, go or change
+/// tiers. Two different sets share a digest with probability about 2^-64, the same bet the
+/// content hash itself makes (equal hash => equal prefix).
+fn set_digest(words: &[u32]) -> u64 {
+    words
+        .iter()
+        .fold(0u64, |d, &w| d.wrapping_add(word_share(w)))
+}
+
+/// 32 bytes, two per cache line. No depth is stored (export orders by parent links) and
 /// the single-carrier word doubles as the list reference, because at 0.6 nodes per carried pair
 /// every 4 node bytes cost 2.4 bytes per pair.
 pub(crate) struct Node {
     pub(crate) hash: u64,
-    /// Engine hash of the inline carrier (unused when the carriers live in a list).
-    inline_engine: u64,
+    /// Engine hash of the inline carrier; when the carriers live in a list, that list's
+    /// [`set_digest`], so the routing path can tell two nodes' carrier sets apart without
+    /// reading their lists (see `Walk`).
+    engine_or_digest: u64,
     /// [`EMPTY_CARRIER`]; or one carrier [`word`] (tier bits never zero); or, with the tier
     /// bits zero, `list << 4`: ALL carriers live in the shard's list pool at index `list`.
     carrier: u32,
@@ -404,7 +438,7 @@ impl Shard {
         } else if node.carrier != EMPTY_CARRIER {
             (
                 std::slice::from_ref(&node.carrier),
-                std::slice::from_ref(&node.inline_engine),
+                std::slice::from_ref(&node.engine_or_digest),
             )
         } else {
             (&[], &[])
@@ -435,7 +469,7 @@ impl Shard {
         }
         let node = Node {
             hash,
-            inline_engine: 0,
+            engine_or_digest: 0,
             carrier: EMPTY_CARRIER,
             parent,
             children: 0,
@@ -471,13 +505,18 @@ impl Shard {
         let Some(list_idx) = node.list() else {
             if node.carrier == EMPTY_CARRIER {
                 node.carrier = word(rank, tiers);
-                node.inline_engine = engine;
+                node.engine_or_digest = engine;
                 return (CarrierChange::Added, 0, None);
             }
             if word_rank(node.carrier) == rank {
-                return update_carrier(&mut node.carrier, &mut node.inline_engine, tiers, engine);
+                return update_carrier(
+                    &mut node.carrier,
+                    &mut node.engine_or_digest,
+                    tiers,
+                    engine,
+                );
             }
-            let (first_word, first_engine) = (node.carrier, node.inline_engine);
+            let (first_word, first_engine) = (node.carrier, node.engine_or_digest);
             let list_idx = match self.free_lists.pop() {
                 Some(l) => l,
                 None => {
@@ -490,17 +529,29 @@ impl Shard {
             list.engines.clear();
             list.words.extend([first_word, word(rank, tiers)]);
             list.engines.extend([first_engine, engine]);
-            node.inline_engine = 0;
+            node.engine_or_digest = set_digest(&list.words);
             node.carrier = list_idx << 4;
             return (CarrierChange::Added, 0, None);
         };
         let list = &mut self.lists[list_idx];
-        if let Some(pos) = list.words.iter().position(|&w| word_rank(w) == rank) {
-            return update_carrier(&mut list.words[pos], &mut list.engines[pos], tiers, engine);
-        }
-        list.words.push(word(rank, tiers));
-        list.engines.push(engine);
-        (CarrierChange::Added, 0, None)
+        let result = if let Some(pos) = list.words.iter().position(|&w| word_rank(w) == rank) {
+            let old = list.words[pos];
+            let result =
+                update_carrier(&mut list.words[pos], &mut list.engines[pos], tiers, engine);
+            node.engine_or_digest = node
+                .engine_or_digest
+                .wrapping_sub(word_share(old))
+                .wrapping_add(word_share(list.words[pos]));
+            result
+        } else {
+            let w = word(rank, tiers);
+            list.words.push(w);
+            list.engines.push(engine);
+            node.engine_or_digest = node.engine_or_digest.wrapping_add(word_share(w));
+            (CarrierChange::Added, 0, None)
+        };
+        debug_assert_eq!(node.engine_or_digest, set_digest(&list.words));
+        result
     }
 
     /// Clears `mask` from `rank`'s carrier (if its engine hash is `engine`, when given). Returns
@@ -520,16 +571,16 @@ impl Shard {
         let Some(list_idx) = node.list() else {
             if node.carrier == EMPTY_CARRIER
                 || word_rank(node.carrier) != rank
-                || engine.is_some_and(|e| e != node.inline_engine)
+                || engine.is_some_and(|e| e != node.engine_or_digest)
             {
                 return None;
             }
             let before = word_tiers(node.carrier);
             let after = before & !mask;
-            let eng = node.inline_engine;
+            let eng = node.engine_or_digest;
             if after == 0 {
                 node.carrier = EMPTY_CARRIER;
-                node.inline_engine = 0;
+                node.engine_or_digest = 0;
             } else {
                 node.carrier = word(rank, after);
             }
@@ -541,19 +592,25 @@ impl Shard {
             .iter()
             .zip(&list.engines)
             .position(|(&w, &e)| word_rank(w) == rank && engine.is_none_or(|x| x == e))?;
-        let before = word_tiers(list.words[pos]);
+        let old_word = list.words[pos];
+        let before = word_tiers(old_word);
         let after = before & !mask;
         let eng = list.engines[pos];
+        node.engine_or_digest = node.engine_or_digest.wrapping_sub(word_share(old_word));
         if after != 0 {
             list.words[pos] = word(rank, after);
+            node.engine_or_digest = node
+                .engine_or_digest
+                .wrapping_add(word_share(list.words[pos]));
+            debug_assert_eq!(node.engine_or_digest, set_digest(&list.words));
             return Some((before, after, eng));
         }
-        // Order-preserving removal keeps sibling nodes' lists comparable (see `match_prefix`).
         list.words.remove(pos);
         list.engines.remove(pos);
+        debug_assert_eq!(node.engine_or_digest, set_digest(&list.words));
         if list.words.len() <= 1 {
             node.carrier = list.words.pop().unwrap_or(EMPTY_CARRIER);
-            node.inline_engine = list.engines.pop().unwrap_or(0);
+            node.engine_or_digest = list.engines.pop().unwrap_or(0);
             if list.words.capacity() > 8 {
                 *list = CarrierList::default();
             }
@@ -1397,20 +1454,49 @@ impl RestoreDelta {
 /// State of one prefix walk under a shard read lock.
 ///
 /// Run compression: along a shared prefix consecutive nodes usually have the very same carrier
-/// words (same ranks, same tiers). When the previous node advanced ALL its carriers and this
-/// node's words are equal, every one of them advances again, so only a counter moves; the
-/// per-rank update is applied once when the run ends. This turns "blocks x carriers" work on a
-/// prefix shared by 64 ranks into one slice comparison per block.
+/// set (same ranks, same tiers). When the previous node advanced ALL its carriers and this
+/// node's set is equal, every one of them advances again, so only a counter moves; the per-rank
+/// update is applied once when the run ends. Set equality is decided from the node alone (its
+/// [`SetKey`]), so a run of nodes shared by 64 ranks reads one node line per block, not the
+/// node's 256-byte carrier list.
 ///
-/// Batching: the lookups of one batch are independent of each other, so the CPU overlaps their
-/// cache misses instead of paying them one after another (the index is far larger than cache).
-/// At most one batch of lookups is wasted past the end of the match.
+/// Lookup ([`Walk::locate`]): the slab successor of the previous block's node when it has the
+/// block's hash, else the hash slots. Off the slab order each block's lookup does not depend on
+/// the previous one, so with the slots requested ahead the CPU overlaps their cache misses
+/// instead of paying them one after another (the index is far larger than cache).
 struct Walk<'a> {
     shard: &'a Shard,
     clock: u32,
+    /// Slab index of the previous block's node ([`NONE`] before the first).
+    prev_idx: u32,
+    /// Whether the previous block's node was found as its predecessor's slab successor.
+    following: bool,
+    /// Words of the node that started the current run (read once per run).
     prev_words: &'a [u32],
+    prev_key: Option<SetKey>,
     prev_full: bool,
     pending: u32,
+}
+
+/// Identifies a node's carrier set without reading a carrier list: an inline carrier's word
+/// itself (exact), or a list's [`set_digest`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum SetKey {
+    Inline(u32),
+    List(u64),
+}
+
+impl Node {
+    #[inline]
+    fn set_key(&self) -> Option<SetKey> {
+        if self.carrier == EMPTY_CARRIER {
+            None
+        } else if word_tiers(self.carrier) == 0 {
+            Some(SetKey::List(self.engine_or_digest))
+        } else {
+            Some(SetKey::Inline(self.carrier))
+        }
+    }
 }
 
 impl<'a> Walk<'a> {
@@ -1418,77 +1504,86 @@ impl<'a> Walk<'a> {
         Self {
             shard,
             clock,
+            prev_idx: NONE,
+            following: false,
             prev_words: &[],
+            prev_key: None,
             prev_full: false,
             pending: 0,
         }
     }
 
-    /// Processes blocks `first..first + batch.len()`; false once the walk has ended.
-    fn batch(&mut self, first: usize, batch: &[u64], out: &mut PrefixMatch) -> bool {
+    /// The node of the next block, whose chained hash is `hash`: the previous block's slab
+    /// successor when that node has this hash (a node is the only live one with its hash, so
+    /// the full-hash comparison is the same confirmation a slot hit gets), else the one the
+    /// hash slots name.
+    #[inline]
+    fn locate(&mut self, hash: u64) -> Option<&'a Node> {
         let shard = self.shard;
-        let mut words_of: [&[u32]; MATCH_BATCH_BLOCKS] = [&[]; MATCH_BATCH_BLOCKS];
-        let mut found: [u32; MATCH_BATCH_BLOCKS] = [NONE; MATCH_BATCH_BLOCKS];
-        for (slot, &h) in found.iter_mut().zip(batch) {
-            *slot = shard.find(h).unwrap_or(NONE);
+        let guess = self.prev_idx.wrapping_add(1);
+        if let Some(node) = shard.nodes.get(guess as usize)
+            && node.hash == hash
+            && !node.is_free()
+        {
+            self.prev_idx = guess;
+            self.following = true;
+            return Some(node);
         }
-        for (w, &idx) in words_of.iter_mut().zip(&found[..batch.len()]) {
-            if idx != NONE {
-                *w = shard.words(&shard.nodes[idx as usize]);
-            }
+        let idx = shard.find(hash)?;
+        self.prev_idx = idx;
+        self.following = false;
+        Some(&shard.nodes[idx as usize])
+    }
+
+    /// Advances the ranks that carry block `i`'s node; false once no rank advanced.
+    #[inline]
+    fn step(&mut self, i: u32, node: &'a Node, out: &mut PrefixMatch) -> bool {
+        // Only write when the stamp changes so hot shared prefixes do not bounce a cache
+        // line between routing threads on every request.
+        if node.stamp.load(Relaxed) != self.clock {
+            node.stamp.store(self.clock, Relaxed);
         }
-        for k in 0..batch.len() {
-            let idx = found[k];
-            if idx == NONE {
-                return false;
-            }
-            let node = &shard.nodes[idx as usize];
-            // Only write when the stamp changes so hot shared prefixes do not bounce a cache
-            // line between routing threads on every request.
-            if node.stamp.load(Relaxed) != self.clock {
-                node.stamp.store(self.clock, Relaxed);
-            }
-            let words = words_of[k];
-            if self.prev_full && words == self.prev_words {
-                self.pending += 1;
-                continue;
-            }
-            flush_run(out, self.prev_words, &mut self.pending);
-            let i = (first + k) as u32;
-            let mut advanced = 0usize;
-            for &w in words {
-                let rank = word_rank(w) as usize;
-                let device = word_tiers(w) & TIER_DEVICE != 0;
-                if i == 0 {
-                    if out.slot.len() <= rank {
-                        out.slot.resize(rank + 1, 0);
-                    }
-                    out.ranks.push(RankMatch {
-                        rank: RankId(rank as u32),
-                        matched_blocks: 1,
-                        device_blocks: u32::from(device),
-                    });
-                    out.slot[rank] = out.ranks.len() as u32;
+        let key = node.set_key();
+        if self.prev_full && key == self.prev_key {
+            self.pending += 1;
+            return true;
+        }
+        flush_run(out, self.prev_words, &mut self.pending);
+        let words = self.shard.words(node);
+        let mut advanced = 0usize;
+        for &w in words {
+            let rank = word_rank(w) as usize;
+            let device = word_tiers(w) & TIER_DEVICE != 0;
+            if i == 0 {
+                if out.slot.len() <= rank {
+                    out.slot.resize(rank + 1, 0);
+                }
+                out.ranks.push(RankMatch {
+                    rank: RankId(rank as u32),
+                    matched_blocks: 1,
+                    device_blocks: u32::from(device),
+                });
+                out.slot[rank] = out.ranks.len() as u32;
+                advanced += 1;
+            } else if let Some(&pos) = out.slot.get(rank)
+                && pos != 0
+            {
+                let m = &mut out.ranks[pos as usize - 1];
+                if m.matched_blocks == i {
+                    m.matched_blocks = i + 1;
                     advanced += 1;
-                } else if let Some(&pos) = out.slot.get(rank)
-                    && pos != 0
-                {
-                    let m = &mut out.ranks[pos as usize - 1];
-                    if m.matched_blocks == i {
-                        m.matched_blocks = i + 1;
-                        advanced += 1;
-                        if device && m.device_blocks == i {
-                            m.device_blocks = i + 1;
-                        }
+                    if device && m.device_blocks == i {
+                        m.device_blocks = i + 1;
                     }
                 }
             }
-            if advanced == 0 {
-                return false;
-            }
-            self.prev_full = advanced == words.len();
-            self.prev_words = words;
         }
+        if advanced == 0 {
+            return false;
+        }
+        self.prev_full = advanced == words.len();
+        self.prev_words = words;
+        self.prev_key = key;
         true
     }
 
@@ -1528,6 +1623,13 @@ impl IndexReader {
 
     /// Per rank, the contiguous depth from block 0 carried in any tier and on device, for the
     /// request's chained block hashes. One shard read lock for the whole walk.
+    ///
+    /// Each block's node is found by `Walk::locate`: first as the slab successor of the
+    /// previous block's node (chains are usually laid out in order, see `Walk`), else through
+    /// the hash slots. While the walk is off the slab order it requests the slots of the block
+    /// [`MATCH_SLOT_LEAD_BLOCKS`] ahead, so those lookups overlap instead of paying a cache miss
+    /// each; while it follows the slab it does not, because those requests would only compete
+    /// with the node lines it is streaming.
     pub fn match_prefix(&self, hashes: &[u64], out: &mut PrefixMatch) {
         out.ranks.clear();
         let Some(&first) = hashes.first() else {
@@ -1535,22 +1637,20 @@ impl IndexReader {
         };
         let clock = self.shared.clock.load(Relaxed);
         let shard = self.shared.shards[self.shared.shard_of_root(first)].read();
-        for &h in hashes.iter().take(MATCH_BATCH_BLOCKS) {
+        for &h in hashes.iter().take(MATCH_SLOT_LEAD_BLOCKS) {
             shard.by_hash.prefetch(h);
         }
         let mut walk = Walk::new(&shard, clock);
-        for (b, batch) in hashes.chunks(MATCH_BATCH_BLOCKS).enumerate() {
-            // Slots of the NEXT batch load while this one is looked up and processed. (Also
-            // prefetching the next batch's nodes through their slots measured slower: the extra
-            // probe costs more than the overlap the batched lookups already get.)
-            for &h in hashes
-                .iter()
-                .skip((b + 1) * MATCH_BATCH_BLOCKS)
-                .take(MATCH_BATCH_BLOCKS)
+        for (i, &h) in hashes.iter().enumerate() {
+            if !walk.following
+                && let Some(&ahead) = hashes.get(i + MATCH_SLOT_LEAD_BLOCKS)
             {
-                shard.by_hash.prefetch(h);
+                shard.by_hash.prefetch(ahead);
             }
-            if !walk.batch(b * MATCH_BATCH_BLOCKS, batch, out) {
+            let Some(node) = walk.locate(h) else {
+                break;
+            };
+            if !walk.step(i as u32, node, out) {
                 break;
             }
         }
@@ -1560,10 +1660,10 @@ impl IndexReader {
     }
 
     /// [`match_prefix`](Self::match_prefix) fused with [`hash_token_blocks`]: hashes `tokens`
-    /// (full blocks of the index's block size, namespace `namespace`) a batch at a time, looking
-    /// each batch up while the next is hashed, and STOPS hashing once no rank can match further.
-    /// On return `hashes` holds the hashes computed: the matched prefix plus at most two batches,
-    /// not necessarily every block of the prompt.
+    /// (full blocks of the index's block size, namespace `namespace`) as the walk goes,
+    /// [`MATCH_SLOT_LEAD_BLOCKS`] ahead of the block being matched, and STOPS hashing once no
+    /// rank can match further. On return `hashes` holds the hashes computed: the matched prefix
+    /// plus at most `MATCH_SLOT_LEAD_BLOCKS + 1`, not necessarily every block of the prompt.
     ///
     /// [`hash_token_blocks`]: crate::hash::hash_token_blocks
     pub fn match_tokens(
@@ -1581,36 +1681,37 @@ impl IndexReader {
         }
         let mut blocks = tokens.chunks_exact(bs);
         let mut parent = namespace;
-        let mut hash_batch = |hashes: &mut Vec<u64>| -> usize {
-            let start = hashes.len();
-            for block in blocks.by_ref().take(MATCH_BATCH_BLOCKS) {
-                parent = chain_hash(parent, block, None);
-                hashes.push(parent);
-            }
-            hashes.len() - start
-        };
-        if hash_batch(hashes) == 0 {
-            return;
+        for block in blocks.by_ref().take(MATCH_SLOT_LEAD_BLOCKS) {
+            parent = chain_hash(parent, block, None);
+            hashes.push(parent);
         }
+        let Some(&first) = hashes.first() else {
+            return;
+        };
         let clock = self.shared.clock.load(Relaxed);
-        let shard = self.shared.shards[self.shared.shard_of_root(hashes[0])].read();
+        let shard = self.shared.shards[self.shared.shard_of_root(first)].read();
         for &h in hashes.iter() {
             shard.by_hash.prefetch(h);
         }
         let mut walk = Walk::new(&shard, clock);
-        let mut start = 0;
-        loop {
-            let end = hashes.len();
-            // Hash (and prefetch) the next batch while this batch's slots are in flight.
-            if hash_batch(hashes) > 0 {
-                for &h in &hashes[end..] {
-                    shard.by_hash.prefetch(h);
+        let mut i = 0;
+        while let Some(&h) = hashes.get(i) {
+            // Hashing the block a lead ahead does not depend on this block's lookup, so the CPU
+            // overlaps the two.
+            if let Some(block) = blocks.next() {
+                parent = chain_hash(parent, block, None);
+                hashes.push(parent);
+                if !walk.following {
+                    shard.by_hash.prefetch(parent);
                 }
             }
-            if !walk.batch(start, &hashes[start..end], out) || hashes.len() == end {
+            let Some(node) = walk.locate(h) else {
+                break;
+            };
+            if !walk.step(i as u32, node, out) {
                 break;
             }
-            start = end;
+            i += 1;
         }
         walk.finish(out);
         drop(shard);

@@ -1,7 +1,8 @@
 //! Export, validation, restore and rank filtering of the columnar [`IndexSnapshot`].
 //!
 //! Export never holds a shard lock for long: each shard's slab is read in chunks of
-//! [`EXPORT_CHUNK_NODES`] under a read lock, then ordered (parents before children) off-lock.
+//! [`EXPORT_CHUNK_NODES`] under a read lock, then ordered off-lock depth-first (parents before
+//! children, and each chain's nodes adjacent, so a restored slab keeps chains in order).
 //! Because the writer may run between chunks, the walk is not atomic; two rules keep the result
 //! honest:
 //! * nodes are linked by content hash, not slab index, and a node whose parent was not seen is
@@ -259,57 +260,12 @@ struct Rec {
     slot: u32,
     parent_slot: u32,
     is_root: bool,
-    depth: u32,
     c_start: u32,
     c_end: u32,
 }
 
-const UNKNOWN_DEPTH: u32 = u32::MAX;
-const ORPHAN_DEPTH: u32 = u32::MAX - 1;
 const ROOT_REC: u32 = u32::MAX;
 const ORPHAN_REC: u32 = u32::MAX - 1;
-
-/// Sets every rec's depth from `parent_rec` (rec index, [`ROOT_REC`] or [`ORPHAN_REC`]): roots
-/// are 0, and a rec below an orphan, or on a parent cycle (possible only through a content-hash
-/// collision in a racing walk), is [`ORPHAN_DEPTH`]. Iterative, so deep chains cannot overflow
-/// the stack; each rec is resolved once.
-fn derive_depths(parent_rec: &[u32], recs: &mut [Rec], stack: &mut Vec<u32>) {
-    let n = recs.len();
-    for i in 0..n {
-        if recs[i].depth != UNKNOWN_DEPTH {
-            continue;
-        }
-        stack.clear();
-        let mut cur = i as u32;
-        let mut cyclic = false;
-        while recs[cur as usize].depth == UNKNOWN_DEPTH {
-            if stack.len() >= n {
-                cyclic = true;
-                break;
-            }
-            stack.push(cur);
-            let p = parent_rec[cur as usize];
-            if p == ROOT_REC || p == ORPHAN_REC {
-                break;
-            }
-            cur = p;
-        }
-        // Ancestors were pushed last, so popping resolves each parent before its child.
-        while let Some(x) = stack.pop() {
-            let p = parent_rec[x as usize];
-            recs[x as usize].depth = if cyclic || p == ORPHAN_REC {
-                ORPHAN_DEPTH
-            } else if p == ROOT_REC {
-                0
-            } else {
-                match recs[p as usize].depth {
-                    ORPHAN_DEPTH | UNKNOWN_DEPTH => ORPHAN_DEPTH,
-                    d => d + 1,
-                }
-            };
-        }
-    }
-}
 
 impl IndexReader {
     /// A snapshot of the whole index; see the module doc for its consistency rules.
@@ -343,13 +299,15 @@ impl IndexReader {
         let mut carried_per_rank = vec![0u64; table.len()];
         let mut recs: Vec<Rec> = Vec::new();
         let mut tmp_carriers: Vec<(u32, u8, u64)> = Vec::new();
-        let mut by_depth: Vec<u32> = Vec::new();
-        let mut depth_start: Vec<u32> = Vec::new();
+        let mut order: Vec<u32> = Vec::new();
+        let mut child_start: Vec<u32> = Vec::new();
+        let mut child_fill: Vec<u32> = Vec::new();
+        let mut children: Vec<u32> = Vec::new();
         let mut emitted: HashToIdx = HashToIdx::default();
         let mut slot_to_snap: Vec<u32> = Vec::new();
         let mut rec_of_slot: Vec<u32> = Vec::new();
         let mut parent_rec: Vec<u32> = Vec::new();
-        let mut depth_stack: Vec<u32> = Vec::new();
+        let mut dfs_stack: Vec<u32> = Vec::new();
 
         for lock in shared.shards.iter() {
             recs.clear();
@@ -396,16 +354,15 @@ impl IndexReader {
                         slot: slot as u32,
                         parent_slot: node.parent,
                         is_root,
-                        depth: UNKNOWN_DEPTH,
                         c_start,
                         c_end: tmp_carriers.len() as u32,
                     });
                 }
                 start = end;
             }
-            // Nodes store no depth: derive it off-lock from parent links, by slab slot when the
-            // shard did not move during the walk, else by content hash (slots may have been
-            // reused between chunks). A rec whose parent was not seen gets ORPHAN_DEPTH.
+            // Link each rec to its parent's rec off-lock: by slab slot when the shard did not
+            // move during the walk, else by content hash (slots may have been reused between
+            // chunks). A rec whose parent was not seen gets ORPHAN_REC.
             parent_rec.clear();
             if stable {
                 rec_of_slot.clear();
@@ -437,33 +394,45 @@ impl IndexReader {
                     }
                 }));
             }
-            derive_depths(&parent_rec, &mut recs, &mut depth_stack);
-            // Counting sort by depth: parents (depth d) come before children (d + 1).
-            let max_depth = recs
-                .iter()
-                .map(|r| r.depth)
-                .filter(|&d| d != ORPHAN_DEPTH)
-                .max()
-                .unwrap_or(0) as usize;
-            depth_start.clear();
-            depth_start.resize(max_depth + 2, 0);
-            for r in &recs {
-                if r.depth != ORPHAN_DEPTH {
-                    depth_start[r.depth as usize + 1] += 1;
+            // Depth-first preorder from the roots, children in slab order: parents still come
+            // before children, and a chain whose nodes were created together (adjacent in the
+            // slab) is emitted, hence restored, as adjacent nodes again, which is what lets
+            // `match_prefix` follow chains through the slab on a restored replica too. Recs
+            // below an orphan, or on a parent cycle (possible only through a content-hash
+            // collision in a racing walk), are never reached from a root, so they are dropped.
+            child_start.clear();
+            child_start.resize(recs.len() + 1, 0);
+            for &p in &parent_rec {
+                if p != ROOT_REC && p != ORPHAN_REC {
+                    child_start[p as usize + 1] += 1;
                 }
             }
-            for d in 1..depth_start.len() {
-                depth_start[d] += depth_start[d - 1];
+            for i in 1..child_start.len() {
+                child_start[i] += child_start[i - 1];
             }
-            by_depth.clear();
-            by_depth.resize(depth_start[max_depth + 1] as usize, 0);
-            for (i, r) in recs.iter().enumerate() {
-                if r.depth == ORPHAN_DEPTH {
-                    continue;
+            children.clear();
+            children.resize(child_start[recs.len()] as usize, 0);
+            child_fill.clear();
+            child_fill.extend_from_slice(&child_start[..recs.len()]);
+            for (i, &p) in parent_rec.iter().enumerate() {
+                if p != ROOT_REC && p != ORPHAN_REC {
+                    let f = &mut child_fill[p as usize];
+                    children[*f as usize] = i as u32;
+                    *f += 1;
                 }
-                let slot = &mut depth_start[r.depth as usize];
-                by_depth[*slot as usize] = i as u32;
-                *slot += 1;
+            }
+            order.clear();
+            dfs_stack.clear();
+            dfs_stack.extend(
+                (0..recs.len() as u32)
+                    .rev()
+                    .filter(|&i| parent_rec[i as usize] == ROOT_REC),
+            );
+            while let Some(ri) = dfs_stack.pop() {
+                order.push(ri);
+                let kids = &children
+                    [child_start[ri as usize] as usize..child_start[ri as usize + 1] as usize];
+                dfs_stack.extend(kids.iter().rev());
             }
             emitted.clear();
             slot_to_snap.clear();
@@ -472,7 +441,7 @@ impl IndexReader {
             } else {
                 emitted.reserve(recs.len());
             }
-            for &ri in &by_depth {
+            for &ri in &order {
                 let r = &recs[ri as usize];
                 let idx = out.parent.len() as u32;
                 let parent = if stable {

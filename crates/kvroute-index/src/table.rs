@@ -1,8 +1,9 @@
 //! A shard's content-hash -> slab-index table: open addressing, linear probing, 8-byte slots.
 //!
-//! Why not `hashbrown`: the routing path looks up hundreds of chained hashes per request in a
-//! table far larger than cache, and the hashes are all known up front. Here the slot of a hash is
-//! a pure function of the hash (its top bits), so `match_prefix` can PREFETCH the slots of the
+//! Why not `hashbrown`: the routing path may look up hundreds of chained hashes per request in a
+//! table far larger than cache (every block the walk cannot reach as its predecessor's slab
+//! successor, see `index`), and the hashes are all known up front. Here the slot of a hash is a
+//! pure function of the hash (its top bits), so `match_prefix` can PREFETCH the slots of the
 //! next blocks while it processes the current ones; hashbrown's layout is private, so it cannot.
 //! Content hashes are uniform already, so no hasher runs at all.
 //!

@@ -475,13 +475,83 @@ fn long_prompts_match_exactly_across_lookup_batches_with_both_match_paths() {
     let mut got = m.ranks.clone();
     got.sort_by_key(|x| x.rank);
     assert_eq!(got, want, "match_tokens");
-    let limit = 100 + 2 * kvroute_index::index::MATCH_BATCH_BLOCKS;
+    let limit = 100 + kvroute_index::index::MATCH_SLOT_LEAD_BLOCKS + 1;
     assert!(
         hs.len() <= limit,
         "match_tokens stops hashing after the match ends, hashed {}",
         hs.len()
     );
     assert!(hs.len() >= 100);
+}
+
+/// Runs along shared nodes are recognised from a digest of each node's carrier SET: the same
+/// ranks with the same tiers continue a run whatever order they were added in, and a tier
+/// difference ends it (else the device depth would run on where the device copy stops).
+#[test]
+fn a_carrier_run_follows_equal_sets_in_any_order_and_stops_at_a_tier_change() {
+    for (medium, want_a) in [(None, (4, 4)), (Some(Medium::Host), (4, 2))] {
+        let (mut w, r) = PrefixIndex::new(cfg());
+        let a = w.add_rank(rank_ref(0));
+        let b = w.add_rank(rank_ref(1));
+        let t = tokens(70, 4, BS);
+        // Blocks 0-1 list (a, b); blocks 2-3 list (b, a), a's copy in `medium`.
+        w.apply_event(a, &stored(&[1, 2], None, t[..8].to_vec(), BS, None));
+        w.apply_event(b, &stored(&[11, 12, 13, 14], None, t.clone(), BS, None));
+        w.apply_event(a, &stored(&[3, 4], Some(2), t[8..].to_vec(), BS, medium));
+        let h = hashes_of(&t, BS);
+        assert_eq!(match_of(&r, &h, a), want_a, "rank a, medium {medium:?}");
+        assert_eq!(match_of(&r, &h, b), (4, 4), "rank b, medium {medium:?}");
+    }
+}
+
+/// The walk first tries the previous block's slab successor; a FREED slot there still holds
+/// its old node's hash and must not be taken for the live node that now has it elsewhere.
+#[test]
+fn a_freed_slab_slot_holding_the_next_blocks_hash_is_not_taken_for_its_node() {
+    let one_shard = IndexConfig {
+        shard_count: 1,
+        ..cfg()
+    };
+    let (mut w, r) = PrefixIndex::new(one_shard);
+    let a = w.add_rank(rank_ref(0));
+    let x = tokens(80, 2, BS);
+    // x0, x1 take slots 0 and 1, z0 slot 2.
+    w.apply_event(a, &stored(&[1, 2], None, x.clone(), BS, None));
+    w.apply_event(a, &stored(&[9], None, tokens(81, 1, BS), BS, None));
+    // Free x1 (slot 1 keeps x1's hash), then z0: the free list pops slot 2 next.
+    w.apply_event(a, &removed(&[2], None));
+    w.apply_event(a, &removed(&[9], None));
+    w.apply_event(a, &stored(&[3], Some(1), x[4..].to_vec(), BS, None));
+    let h = hashes_of(&x, BS);
+    assert_eq!(match_of(&r, &h, a), (2, 2), "x1 lives in slot 2 now");
+    let mut hs = Vec::new();
+    let mut m = PrefixMatch::new();
+    r.match_tokens(&x, kvroute_index::hash::BASE_NAMESPACE, &mut hs, &mut m);
+    assert_eq!(m.max_matched_blocks(), 2, "match_tokens: {:?}", m.ranks);
+}
+
+/// Chains are followed through the slab, which is stored in chunks: a chain that crosses a
+/// chunk boundary must match to its end like any other.
+#[test]
+fn a_chain_longer_than_a_slab_chunk_matches_to_its_end() {
+    use kvroute_index::index::SLAB_CHUNK_NODES;
+    let blocks = SLAB_CHUNK_NODES + 300;
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let a = w.add_rank(rank_ref(0));
+    let t = tokens(90, blocks, BS);
+    let engines: Vec<u64> = (1..=blocks as u64).collect();
+    // Stores of at most 1,000 blocks, each continuing the previous one.
+    let mut parent = None;
+    for (e, toks) in engines.chunks(1_000).zip(t.chunks(1_000 * BS as usize)) {
+        w.apply_event(a, &stored(e, parent, toks.to_vec(), BS, None));
+        parent = e.last().copied();
+    }
+    let h = hashes_of(&t, BS);
+    assert_eq!(match_of(&r, &h, a), (blocks as u32, blocks as u32));
+    let mut hs = Vec::new();
+    let mut m = PrefixMatch::new();
+    r.match_tokens(&t, kvroute_index::hash::BASE_NAMESPACE, &mut hs, &mut m);
+    assert_eq!(m.max_matched_blocks(), blocks as u32, "match_tokens");
 }
 
 #[test]

@@ -490,6 +490,29 @@ fn export_orders_a_child_in_a_reused_lower_slot_after_its_parent() {
     assert_eq!(m.max_matched_blocks(), 3, "restored matches {:?}", m.ranks);
 }
 
+/// Export is depth-first: a chain comes out as consecutive nodes (so a restored slab keeps it
+/// in order, which the routing walk follows), branches after the chain they leave.
+#[test]
+fn export_emits_a_chain_as_consecutive_nodes_before_a_branch_off_it() {
+    let one_shard = IndexConfig {
+        shard_count: 1,
+        ..cfg()
+    };
+    let (mut w, r) = PrefixIndex::new(one_shard);
+    let a = w.add_rank(rank_ref(0));
+    let t = tokens(30, 3, BS);
+    w.apply_event(a, &stored(&[1, 2, 3], None, t.clone(), BS, None));
+    // A branch off block 0, created after the chain.
+    w.apply_event(a, &stored(&[4], Some(1), tokens(31, 1, BS), BS, None));
+    let s = r.export_snapshot();
+    assert_eq!(
+        s.nodes.parent,
+        vec![NO_PARENT, 0, 1, 0],
+        "chain 0-1-2, then the branch under node 0"
+    );
+    assert_eq!(s.nodes.content_hash[..3], hashes_of(&t, BS)[..]);
+}
+
 /// A snapshot naming the same (rank, node) twice with different engine hashes: the carrier
 /// keeps the last hash, and only that hash removes it (the side map never files a node under a
 /// hash its carrier does not hold).
