@@ -111,6 +111,7 @@ EOF
 # ------------------------------------------------------------------------------------ ports ---
 NG_A=$((PORT_BASE + 1)); NG_B=$((PORT_BASE + 2))            # nginx workers
 NG_PROXY=$((PORT_BASE + 3))                                  # nginx reverse proxy over A, B
+NG_PROXY_SEP=$((PORT_BASE + 4))                              # the same proxy in its own nginx
 PUB_HTTP=$((PORT_BASE + 11))                                 # idle sims (publishers only): 11,12
 PUB_KV=$((PORT_BASE + 101)); PUB_REPLAY=$((PORT_BASE + 201)); PUB_LOAD=$((PORT_BASE + 251))
 SIM_HTTP=$((PORT_BASE + 21))                                 # serving sims: 21,22
@@ -301,7 +302,19 @@ want direct-generate-text && measure direct-generate-text direct - nginx "$D/gen
 want direct-completions-text && measure direct-completions-text direct - nginx "$D/v1/completions" completions-text.json
 want direct-sim-completions-ids && measure direct-sim-completions-ids direct - kvroute-sim "http://127.0.0.1:$SIM_HTTP/v1/completions" completions-ids.json
 
-want nginx-proxy && measure nginx-proxy-completions-ids nginx-proxy round_robin nginx "http://127.0.0.1:$NG_PROXY/v1/completions" completions-ids.json
+want nginx-proxy && measure nginx-proxy-completions-ids "nginx-proxy (same process as the backends)" round_robin nginx "http://127.0.0.1:$NG_PROXY/v1/completions" completions-ids.json
+if want nginx-proxy-separate; then
+  # The same proxy in its own nginx process (see bench/nginx-proxy.conf.in): the honest floor.
+  ngp="$out/nginx-proxy"
+  mkdir -p "$ngp"/{body,proxy,fastcgi,uwsgi,scgi}
+  sed -e "s|@PREFIX@|$ngp|g" -e "s|@PORT_A@|$NG_A|" -e "s|@PORT_B@|$NG_B|" -e "s|@PORT_PROXY@|$NG_PROXY_SEP|" \
+    "$root/bench/nginx-proxy.conf.in" >"$ngp/nginx.conf"
+  nginx -p "$ngp" -c "$ngp/nginx.conf" -g 'daemon off;' >>"$ngp/stdout.log" 2>&1 &
+  router_pid=$!
+  wait_http "http://127.0.0.1:$NG_PROXY_SEP/health" "separate nginx proxy"
+  measure nginx-proxy-separate-completions-ids "nginx-proxy (own process)" round_robin nginx "http://127.0.0.1:$NG_PROXY_SEP/v1/completions" completions-ids.json
+  stop_router
+fi
 
 R="http://127.0.0.1:$ROUTER"
 for pol in round_robin cache_aware; do

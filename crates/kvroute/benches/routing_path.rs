@@ -96,6 +96,31 @@ fn bench(c: &mut Criterion) {
     c.bench_function("plan_cache_aware_8_ranks", |b| {
         b.iter(|| r.plan(group.clone(), &tokens).unwrap())
     });
+    // The token-id body of the side-by-side benchmark (2,048 ids), read by the fast path's
+    // reader and, for comparison in the same run, by a derived serde parse (the previous reader).
+    let ids_body = serde_json::to_vec(&serde_json::json!({
+        "model": "bench",
+        "prompt": (0..2048u32).map(|i| (i * 7919) % 30000 + 100).collect::<Vec<_>>(),
+        "max_tokens": 1,
+    }))
+    .unwrap();
+    #[derive(serde::Deserialize)]
+    struct SerdeIds<'a> {
+        #[serde(borrow)]
+        _model: Option<std::borrow::Cow<'a, str>>,
+        prompt: Option<Vec<u32>>,
+    }
+    c.bench_function("read_token_ids_body_2048_ids_fast_reader", |b| {
+        b.iter(|| kvroute::fast_ids::read_token_ids_body(&ids_body, "prompt").unwrap())
+    });
+    c.bench_function("read_token_ids_body_2048_ids_serde_derive", |b| {
+        b.iter(|| {
+            serde_json::from_slice::<SerdeIds<'_>>(&ids_body)
+                .unwrap()
+                .prompt
+                .unwrap()
+        })
+    });
     rt.block_on(async {
         router.shutdown().await;
         fleet.shutdown().await;

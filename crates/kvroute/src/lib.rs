@@ -15,6 +15,7 @@
 pub mod config;
 pub mod demo;
 pub mod error;
+pub mod fast_ids;
 pub mod internal;
 pub mod kv;
 pub mod metrics;
@@ -27,6 +28,7 @@ pub mod router;
 pub mod server;
 pub mod snapshot_producer;
 pub mod tokenize;
+pub mod upstream;
 pub mod worker_source;
 
 use std::net::SocketAddr;

@@ -2,6 +2,12 @@
 //! or ctrl-c. All logic lives in the library.
 
 use clap::Parser;
+
+/// mimalloc instead of glibc malloc: the proxy path allocates and frees many small buffers per
+/// request (headers, body chunks, futures), and glibc's free-list consolidation showed up in
+/// profiles of the router; measured effect in docs/BENCHMARKS.md.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use kvroute::config::{Cli, Command, LogFormat};
 
 fn init_logging(format: LogFormat) {

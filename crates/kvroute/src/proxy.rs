@@ -22,10 +22,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::Response;
 use bytes::Bytes;
-use futures::Stream;
+use hyper::body::{Frame, Incoming, SizeHint};
 
 use crate::error::ApiError;
 use crate::registry::{HealthEvent, RankLoad, Worker};
@@ -79,23 +79,30 @@ impl Drop for LoadGuard {
     }
 }
 
-type UpstreamStream = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
-
-/// The upstream body, passed through chunk by chunk, carrying the load guard.
-pub struct TrackedStream {
-    inner: UpstreamStream,
+/// The upstream body, passed through frame by frame, carrying the load guard. It keeps the
+/// upstream's size hint, so a body the engine framed by length reaches the client framed by
+/// length (one write) rather than chunked.
+pub struct TrackedBody {
+    inner: Incoming,
     guard: Option<LoadGuard>,
 }
 
-impl Stream for TrackedStream {
-    type Item = Result<Bytes, reqwest::Error>;
+impl hyper::body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let polled = self.inner.as_mut().poll_next(cx);
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(Some(Ok(_))) => {
                 if let Some(g) = self.guard.as_mut() {
                     g.prefill_done();
+                }
+                if self.inner.is_end_stream() {
+                    self.guard = None;
                 }
             }
             // End or error: release the rank now rather than when hyper drops the body.
@@ -103,6 +110,14 @@ impl Stream for TrackedStream {
             Poll::Pending => {}
         }
         polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -203,14 +218,16 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
         let uncached = plan.decision.scores[idx].uncached_tokens as i64;
         let guard =
             LoadGuard::acquire(worker.ranks[cand.dp_rank as usize].clone(), gauge, uncached);
-        let request = router
-            .http
-            .post(format!("{}{}", worker.url, fwd.endpoint.path()))
-            .header("content-type", "application/json")
-            .header(REQUEST_ID_HEADER, fwd.request_id)
-            .header(DP_RANK_HEADER, cand.dp_rank.to_string())
-            .body(body);
-        match tokio::time::timeout(timeout, request.send()).await {
+        let dp_header = HeaderValue::from(cand.dp_rank);
+        let mut upstream_headers = vec![(DP_RANK_HEADER, dp_header)];
+        if let Ok(v) = HeaderValue::from_str(fwd.request_id) {
+            upstream_headers.push((REQUEST_ID_HEADER, v));
+        }
+        let send =
+            router
+                .upstream
+                .post_json(&worker.url, fwd.endpoint.path(), &upstream_headers, body);
+        match tokio::time::timeout(timeout, send).await {
             Err(_) => {
                 router
                     .metrics
@@ -270,13 +287,12 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
                         headers.insert(HeaderName::from_static(DECISION_HEADER), v);
                     }
                 }
-                let stream = TrackedStream {
-                    inner: Box::pin(resp.bytes_stream()),
+                let body = TrackedBody {
+                    inner: resp.into_body(),
                     guard: Some(guard),
                 };
-                let mut response = Response::new(Body::from_stream(stream));
-                *response.status_mut() =
-                    StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+                let mut response = Response::new(Body::new(body));
+                *response.status_mut() = status;
                 *response.headers_mut() = headers;
                 return Ok(response);
             }

@@ -29,7 +29,10 @@ pub struct Router {
     pub kv: KvBridge,
     pub policy: Policy,
     pub metrics: Metrics,
+    /// Control-plane client (discovery, health checks, peers).
     pub http: reqwest::Client,
+    /// Data-path client: routed requests to engines (see [`crate::upstream`]).
+    pub upstream: crate::upstream::UpstreamClient,
     pub tokenizers: TokenizerSet,
     pub shutdown: CancellationToken,
     /// Siblings found by peer discovery (empty and never synced when discovery is off); the
@@ -118,6 +121,7 @@ impl Router {
             shutdown: CancellationToken::new(),
             metrics,
             http,
+            upstream: crate::upstream::UpstreamClient::new(config.health_timeout_ms.max(100)),
             config,
         })
     }

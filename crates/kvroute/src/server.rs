@@ -182,34 +182,17 @@ pub struct Prepared {
     pub rewritten: bool,
 }
 
-/// The few fields routing needs from a request that already carries token ids. Building a
-/// `serde_json::Value` for 2k ids was a third of the router's CPU on the proxy path; this
-/// borrows the model name and reads the ids straight into `u32`s.
-#[derive(serde::Deserialize)]
-struct TokenIdsBody<'a> {
-    #[serde(default, borrow)]
-    model: Option<std::borrow::Cow<'a, str>>,
-    #[serde(default)]
-    prompt: Option<Vec<u32>>,
-    #[serde(default)]
-    input_ids: Option<Vec<u32>>,
-}
-
 /// Tokens and model of a body the generic path would route on its token ids unchanged, or `None`
-/// to take the generic path (which also produces every error message). Any shape the typed parse
-/// does not accept (non-object, duplicate key, non-u32 id, non-string model) falls back.
+/// to take the generic path (which also produces every error message). The reader
+/// ([`crate::fast_ids`]) accepts a strict subset of what the generic path accepts.
 fn token_ids_fast_path(endpoint: Endpoint, bytes: &[u8]) -> Option<(Option<String>, Vec<u32>)> {
-    // serde's derived struct visitor also accepts a JSON array; only objects qualify.
-    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return None;
-    }
-    let parsed: TokenIdsBody<'_> = serde_json::from_slice(bytes).ok()?;
-    let tokens = match endpoint {
-        Endpoint::Completions => parsed.prompt?,
-        Endpoint::Generate => parsed.input_ids?,
+    let ids_key = match endpoint {
+        Endpoint::Completions => "prompt",
+        Endpoint::Generate => "input_ids",
         Endpoint::ChatCompletions => return None,
     };
-    Some((parsed.model.map(std::borrow::Cow::into_owned), tokens))
+    let body = crate::fast_ids::read_token_ids_body(bytes, ids_key)?;
+    Some((body.model, body.tokens))
 }
 
 fn token_array(v: &Value) -> Option<Vec<u32>> {
@@ -535,8 +518,7 @@ mod tests {
 
     #[test]
     fn token_ids_fast_path_reads_ids_and_model_of_objects_only() {
-        let body =
-            br#" {"model":"m\u0031","prompt":[1,2,4294967295],"max_tokens":1,"x":{"y":[null]}}"#;
+        let body = br#" {"model":"m1","prompt":[1,2,4294967295],"max_tokens":1,"x":{"y":[null]}}"#;
         let (model, tokens) = token_ids_fast_path(Endpoint::Completions, body)
             .expect("token-id body takes the fast path");
         assert_eq!(model.as_deref(), Some("m1"));
