@@ -111,6 +111,12 @@ pub struct SimConfig {
     /// Requests running concurrently per DP rank; more wait in a queue.
     #[arg(long, default_value_t = 64)]
     pub max_running: usize,
+    /// Prefill one request at a time per DP rank (a real engine's forward pass is shared by
+    /// everything it batches, so concurrent prefills on one rank slow each other down). Off by
+    /// default: each running request's prefill then proceeds independently of the others, so a
+    /// rank's load costs a new request nothing until `--max-running` is reached.
+    #[arg(long, default_value_t = false)]
+    pub prefill_serial: bool,
     /// Fixed scheduling overhead per request before the first token.
     #[arg(long, default_value_t = 2000)]
     pub overhead_us: u64,

@@ -2,9 +2,10 @@
 //! the scheduler (a slot semaphore per rank) and the timing model.
 //!
 //! A request's life, as in SGLang/vLLM: pick a rank (the router's hint, else least loaded), wait
-//! for a running slot, match the prompt against the rank's cache (cached tokens), spend the
-//! prefill time on the uncached part, then insert the prompt's blocks and publish the resulting
-//! events as ONE batch (the engine's scheduler step), then decode at a fixed cost per token.
+//! for a running slot (and, with `--prefill-serial`, for the rank's single prefill turn), match
+//! the prompt against the rank's cache (cached tokens), spend the prefill time on the uncached
+//! part, then insert the prompt's blocks and publish the resulting events as ONE batch (the
+//! engine's scheduler step), then decode at a fixed cost per token.
 //! Cache mutation and publishing share the rank lock so the event stream is exactly the cache's
 //! history; nothing awaits while holding it.
 
@@ -42,6 +43,30 @@ pub struct Rank {
     running: AtomicUsize,
     waiting: AtomicUsize,
     load_changed: Arc<Notify>,
+    served: ServedCounters,
+    /// Held for the whole prefill with `--prefill-serial`, so one rank prefills one request
+    /// at a time.
+    prefill_turn: tokio::sync::Mutex<()>,
+    /// Requests in their prefill phase right now (observable serialization).
+    prefilling: AtomicUsize,
+}
+
+/// What one rank has served since start: kept so a benchmark can tell how a router spread its
+/// load over the ranks (and check the hit rate engine-side) without trusting the router.
+#[derive(Default)]
+struct ServedCounters {
+    requests: AtomicU64,
+    prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
+}
+
+/// A snapshot of one rank's [`ServedCounters`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ServedStat {
+    /// Requests admitted to a running slot and prefilled on this rank.
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
 }
 
 impl Rank {
@@ -81,6 +106,15 @@ impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.rank.running.fetch_sub(1, Ordering::Relaxed);
         self.rank.load_changed.notify_one();
+    }
+}
+
+/// Counts a request out of the prefill phase however it ends (also when a dropped client
+/// drops the prefill future mid-sleep).
+struct PrefillingGuard<'a>(&'a Rank);
+impl Drop for PrefillingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.prefilling.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -159,6 +193,9 @@ impl Engine {
                 running: AtomicUsize::new(0),
                 waiting: AtomicUsize::new(0),
                 load_changed: Arc::new(Notify::new()),
+                served: ServedCounters::default(),
+                prefill_turn: tokio::sync::Mutex::new(()),
+                prefilling: AtomicUsize::new(0),
             }));
         }
         let engine = Arc::new(Engine {
@@ -255,11 +292,27 @@ impl Engine {
         };
         r.load_changed.notify_one();
 
+        // Taken before matching, so a request that waited for its turn sees the blocks the
+        // previous prefill on this rank just inserted.
+        let _turn = if self.cfg.prefill_serial {
+            Some(r.prefill_turn.lock().await)
+        } else {
+            None
+        };
+        r.prefilling.fetch_add(1, Ordering::Relaxed);
+        let _prefilling = PrefillingGuard(&r);
         let bs = self.cfg.block_size;
         let keys = crate::cache::block_keys(tokens, bs);
         let m = r.state.lock().cache.match_prefix(&keys);
         let cached_tokens = m.cached_blocks * bs;
         let uncached = tokens.len().saturating_sub(cached_tokens) as u64;
+        r.served.requests.fetch_add(1, Ordering::Relaxed);
+        r.served
+            .prompt_tokens
+            .fetch_add(tokens.len() as u64, Ordering::Relaxed);
+        r.served
+            .cached_tokens
+            .fetch_add(cached_tokens as u64, Ordering::Relaxed);
         let cost_us = self.cfg.overhead_us
             + uncached * self.cfg.prefill_us_per_token
             + (m.host_blocks * bs) as u64 * self.cfg.host_load_us_per_token;
@@ -320,6 +373,21 @@ impl Engine {
 
     pub fn last_seq(&self, rank: usize) -> i64 {
         self.ranks[rank].state.lock().publisher.last_seq()
+    }
+
+    /// Requests in their prefill phase on rank `rank` right now.
+    pub fn prefilling(&self, rank: usize) -> usize {
+        self.ranks[rank].prefilling.load(Ordering::Relaxed)
+    }
+
+    /// Requests and tokens rank `rank` has prefilled since the engine started.
+    pub fn served_stat(&self, rank: usize) -> ServedStat {
+        let s = &self.ranks[rank].served;
+        ServedStat {
+            requests: s.requests.load(Ordering::Relaxed),
+            prompt_tokens: s.prompt_tokens.load(Ordering::Relaxed),
+            cached_tokens: s.cached_tokens.load(Ordering::Relaxed),
+        }
     }
 
     pub fn load_stat(&self, rank: usize) -> LoadStat {

@@ -1,7 +1,11 @@
 //! The engine's HTTP API, in the shapes SGLang and vLLM serve: OpenAI `/v1/completions` and
 //! `/v1/chat/completions` (plain and SSE streaming), SGLang `/generate`, `/v1/models`,
-//! `/health`, `/get_load`, `/server_info` (with SGLang's `kv_events` discovery block), and the
-//! test-only `/control/*` endpoints (mounted only with `--enable-control`).
+//! `/health`, `/get_load`, `/server_info` (with SGLang's `kv_events` discovery block), vLLM's
+//! `/tokenize` and `/v1/chat/completions/render` (routers that tokenize through the engine call
+//! them, e.g. vllm-router's cache-aware policies), the simulator's own `/served_stats`
+//! (per-rank requests and tokens served, so a benchmark can measure how a router spread load
+//! without trusting the router), and the test-only `/control/*` endpoints (mounted only with
+//! `--enable-control`).
 //!
 //! Bodies are read as bytes under `--max-body-bytes` and parsed here, not by an extractor, so
 //! every failure (oversize, malformed JSON, wrong types, missing fields, bad rank hint) becomes
@@ -95,6 +99,9 @@ pub fn router(engine: Arc<Engine>) -> Router {
     let mut app = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/tokenize", post(tokenize))
+        .route("/served_stats", get(served_stats))
         .route("/generate", post(generate))
         .route("/v1/models", get(models))
         .route("/health", get(health))
@@ -196,6 +203,14 @@ struct ChatRequest {
     stream_options: Option<StreamOptions>,
     data_parallel_rank: Option<i64>,
     routed_dp_rank: Option<i64>,
+}
+
+/// vLLM's `/tokenize`: either a completion-style `prompt` or chat `messages`.
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    prompt: Option<String>,
+    messages: Option<Vec<ChatMessageIn>>,
+    add_generation_prompt: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -622,7 +637,28 @@ async fn chat_completions(
         &headers,
     )?;
     let max_tokens = check_max_tokens(req.max_completion_tokens.or(req.max_tokens), "max_tokens")?;
-    let messages = match req.messages {
+    let tokens = chat_tokens(&engine, req.messages, true)?;
+    let job = Job::new(
+        &engine,
+        Kind::Chat,
+        req.model,
+        rank,
+        tokens,
+        max_tokens,
+        wants_usage(req.stream_options),
+    );
+    Ok(dispatch(engine, job, req.stream.unwrap_or(false)).await)
+}
+
+/// The prompt tokens of a chat request: the chat template rendered (with the assistant header
+/// when `add_generation_prompt`) and tokenized, exactly as the chat endpoint prefills them, so
+/// `/tokenize` and `/v1/chat/completions/render` agree with what the engine caches.
+fn chat_tokens(
+    engine: &Engine,
+    messages: Option<Vec<ChatMessageIn>>,
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>, ApiError> {
+    let messages = match messages {
         Some(m) if !m.is_empty() => m,
         _ => {
             return Err(ApiError::bad_request(
@@ -650,19 +686,74 @@ async fn chat_completions(
         .collect();
     let rendered = engine
         .text
-        .render_chat(&messages)
+        .render_chat_with(&messages, add_generation_prompt)
         .map_err(|e| ApiError::bad_request(format!("chat template: {e}"), Some("messages")))?;
-    let tokens = check_prompt(encode_text(&engine, &rendered, "messages")?, "messages")?;
-    let job = Job::new(
-        &engine,
-        Kind::Chat,
-        req.model,
-        rank,
-        tokens,
-        max_tokens,
-        wants_usage(req.stream_options),
-    );
-    Ok(dispatch(engine, job, req.stream.unwrap_or(false)).await)
+    check_prompt(encode_text(engine, &rendered, "messages")?, "messages")
+}
+
+/// vLLM's `/tokenize`: `{"count", "max_model_len", "tokens"}` for a `prompt` string or chat
+/// `messages` (exactly one of them).
+async fn tokenize(
+    State(engine): State<Arc<Engine>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<axum::Json<Value>, ApiError> {
+    let req: TokenizeRequest = parse_json(body)?;
+    let tokens = match (req.prompt, req.messages) {
+        (Some(prompt), None) => check_prompt(encode_text(&engine, &prompt, "prompt")?, "prompt")?,
+        (None, Some(messages)) => chat_tokens(
+            &engine,
+            Some(messages),
+            req.add_generation_prompt.unwrap_or(true),
+        )?,
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad_request(
+                "give either prompt or messages, not both",
+                Some("prompt"),
+            ));
+        }
+        (None, None) => {
+            return Err(ApiError::bad_request(
+                "either prompt or messages is required",
+                Some("prompt"),
+            ));
+        }
+    };
+    Ok(axum::Json(json!({
+        "count": tokens.len(),
+        "max_model_len": MAX_PROMPT_TOKENS,
+        "tokens": tokens,
+    })))
+}
+
+/// vLLM's `/v1/chat/completions/render`: the chat request's prompt token ids, without running
+/// it. Only `token_ids` (and `model`) are modelled; the simulator has no multimodal features.
+async fn render_chat(
+    State(engine): State<Arc<Engine>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<axum::Json<Value>, ApiError> {
+    let req: ChatRequest = parse_json(body)?;
+    let tokens = chat_tokens(&engine, req.messages, true)?;
+    Ok(axum::Json(json!({
+        "model": req.model.unwrap_or_else(|| engine.cfg.served_model_name.clone()),
+        "token_ids": tokens,
+        "features": null,
+    })))
+}
+
+/// Per-rank requests prefilled and their prompt / cached tokens since start.
+async fn served_stats(State(engine): State<Arc<Engine>>) -> axum::Json<Value> {
+    let ranks: Vec<Value> = (0..engine.dp_size())
+        .map(|r| {
+            let s = engine.served_stat(r);
+            json!({
+                "dp_rank": r,
+                "requests": s.requests,
+                "prompt_tokens": s.prompt_tokens,
+                "cached_tokens": s.cached_tokens,
+            })
+        })
+        .collect();
+    axum::Json(json!({"engine": engine.index, "ranks": ranks}))
 }
 
 async fn generate(

@@ -9,7 +9,8 @@
 //!
 //! Behind them is a real paged prefix cache per rank ([`cache`]: LRU leaf eviction, optional host
 //! tier) and a timing model ([`engine`]: fixed overhead + per-uncached-token prefill + per-token
-//! decode, queueing beyond `--max-running`), so a router's cache hits show up as lower latency.
+//! decode, queueing beyond `--max-running`, optionally one prefill at a time per rank with
+//! `--prefill-serial`), so a router's cache hits show up as lower latency.
 //!
 //! The library starts N engines in one process ([`start_fleet`]) so tests and the demo need no
 //! child processes; the `kvroute-sim` binary is a thin wrapper over the same call.
@@ -34,7 +35,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub use config::{KvEncodingArg, SimConfig};
-pub use engine::{Engine, EnginePorts};
+pub use engine::{Engine, EnginePorts, ServedStat};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {

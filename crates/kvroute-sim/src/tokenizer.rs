@@ -128,11 +128,21 @@ impl TextModel {
 
     /// The chat template applied to `messages`, with the assistant header appended.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        self.render_chat_with(messages, true)
+    }
+
+    /// The chat template applied to `messages`; `add_generation_prompt` as in HF / vLLM
+    /// (`/tokenize` lets the caller turn the assistant header off).
+    pub fn render_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let template = self.chat.get_template("chat").map_err(|e| e.to_string())?;
         template
             .render(minijinja::context! {
                 messages => messages,
-                add_generation_prompt => true,
+                add_generation_prompt => add_generation_prompt,
                 bos_token => &self.bos_token,
                 eos_token => &self.eos_token,
             })

@@ -102,3 +102,58 @@ async fn a_streaming_client_that_disconnects_releases_its_running_slot() {
     .await;
     fleet.shutdown().await;
 }
+
+/// Two uncached prompts sent at once to the same rank: with `--prefill-serial` only one is ever
+/// in its prefill phase (the other waits for its turn while holding a running slot); without
+/// it both prefill at the same time.
+async fn max_concurrent_prefills_on_one_rank(prefill_serial: bool) -> usize {
+    let fleet = fleet(SimConfig {
+        instant: false,
+        overhead_us: 0,
+        prefill_us_per_token: 20_000,
+        decode_us_per_token: 0,
+        prefill_serial,
+        ..SimConfig::for_tests()
+    })
+    .await;
+    let e = &fleet.engines[0];
+    let send = |start: u32| {
+        let url = e.http_url();
+        tokio::spawn(async move {
+            client()
+                .post(format!("{url}/v1/completions"))
+                .json(&json!({"prompt": toks(start, 16), "max_tokens": 1}))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+                .unwrap_or(0)
+        })
+    };
+    let (a, b) = (send(1), send(100));
+    wait_until(
+        "both requests admitted to running slots",
+        async || e.engine().load_stat(0).num_running_reqs,
+        |n| *n == 2,
+    )
+    .await;
+    // Sample while both hold slots: 16 tokens x 20 ms = 320 ms of prefill each.
+    let mut most = 0;
+    while e.engine().load_stat(0).num_running_reqs == 2 {
+        most = most.max(e.engine().prefilling(0));
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!((a.await.unwrap(), b.await.unwrap()), (200, 200));
+    assert_eq!(e.engine().prefilling(0), 0, "every prefill counted out");
+    fleet.shutdown().await;
+    most
+}
+
+#[tokio::test]
+async fn prefill_serial_lets_one_rank_prefill_one_request_at_a_time() {
+    assert_eq!(max_concurrent_prefills_on_one_rank(true).await, 1);
+}
+
+#[tokio::test]
+async fn without_prefill_serial_concurrent_prefills_overlap() {
+    assert_eq!(max_concurrent_prefills_on_one_rank(false).await, 2);
+}

@@ -309,6 +309,21 @@ pub struct DemoArgs {
     /// Run only these policies (default: all).
     #[arg(long, value_enum, value_delimiter = ',')]
     pub policies: Vec<PolicyKind>,
+    /// Drive this router (base URL, e.g. `http://127.0.0.1:30000`) with the same workload once,
+    /// instead of starting the in-process fleet and router (for comparing other routers in
+    /// front of `kvroute-sim` engines).
+    #[arg(long, env = "KVROUTE_DEMO_ROUTER_URL")]
+    pub router_url: Option<String>,
+    /// With `--router-url`: the engines behind it, whose `/served_stats` give the per-rank
+    /// load-balance figures.
+    #[arg(long, env = "KVROUTE_DEMO_ENGINE_URLS", value_delimiter = ',')]
+    pub engine_urls: Vec<String>,
+    /// With `--router-url`: the row's name.
+    #[arg(long, env = "KVROUTE_DEMO_LABEL", default_value = "external")]
+    pub label: String,
+    /// Print the results as one JSON document (with per-rank balance) instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args, Clone)]

@@ -12,6 +12,10 @@ async fn the_demo_completes_every_policy_and_cache_aware_reuses_the_cache() {
         concurrency: 2,
         seed: 3,
         policies: vec![],
+        router_url: None,
+        engine_urls: vec![],
+        label: "external".into(),
+        json: false,
     };
     let results = kvroute::demo::run_policies(&args).await.expect("demo runs");
     assert_eq!(
