@@ -567,7 +567,7 @@ async fn metrics_expose_requests_decisions_latency_matches_and_in_flight() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_disconnect_releases_the_ranks_in_flight_slot() {
+async fn a_client_disconnect_cancels_the_engine_request_and_releases_the_rank() {
     let cfg = kvroute_sim::SimConfig {
         instant: false,
         overhead_us: 0,
@@ -592,6 +592,17 @@ async fn a_client_disconnect_releases_the_ranks_in_flight_slot() {
     let mut stream = resp.bytes_stream();
     stream.next().await.unwrap().unwrap();
     assert_eq!(in_flight(&router.router), 1);
+    let engine = fleet.engines[0].engine().clone();
+    let engine_running = |e: &kvroute_sim::Engine| -> u64 {
+        (0..e.dp_size())
+            .map(|r| e.load_stat(r).num_running_reqs)
+            .sum()
+    };
+    assert_eq!(
+        engine_running(&engine),
+        1,
+        "the engine runs the request while the client streams"
+    );
     drop(stream);
     let r = router.router.clone();
     wait_until(
@@ -604,6 +615,23 @@ async fn a_client_disconnect_releases_the_ranks_in_flight_slot() {
                     Ok(())
                 } else {
                     Err(format!("in_flight={n}"))
+                }
+            }
+        },
+    )
+    .await;
+    // The engine side: the generation (200 tokens x 50 ms = 10 s) must stop long before it
+    // would finish, i.e. the router closed the upstream request when its client went away.
+    wait_until(
+        "the engine's running request to be cancelled after the client hung up",
+        Duration::from_secs(5),
+        || {
+            let running = engine_running(&engine);
+            async move {
+                if running == 0 {
+                    Ok(())
+                } else {
+                    Err(format!("engine running requests={running}"))
                 }
             }
         },
