@@ -73,7 +73,8 @@ HEALTH_WAIT_S=60
 out="$root/target/bench-quality/$(date -u +%Y%m%dT%H%M%SZ)"
 mkdir -p "$out"
 echo "results: $out" >&2
-log() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
+# shellcheck source=bench/lib.sh
+. "$root/bench/lib.sh"
 
 sim_pid=""
 router_pid=""
@@ -128,16 +129,6 @@ engine_urls=()
 for i in $(seq 0 $((ENGINES - 1))); do engine_urls+=("http://127.0.0.1:$((SIM_HTTP + i))"); done
 engines_csv="$(IFS=,; echo "${engine_urls[*]}")"
 
-wait_http() { # url what: polls until HTTP 200 or fails naming what was awaited and the last code
-  local url="$1" what="$2" code="" deadline=$((SECONDS + HEALTH_WAIT_S))
-  while [ $SECONDS -lt $deadline ]; do
-    code="$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "$url" 2>/dev/null || true)"
-    [ "$code" = 200 ] && return 0
-    sleep 0.1
-  done
-  echo "timed out after ${HEALTH_WAIT_S}s waiting for $what ($url): last HTTP code '$code'" >&2
-  return 1
-}
 
 start_fleet() { # name kv-encoding
   "$bin/kvroute-sim" --engines "$ENGINES" --dp-size "$DP" --port "$SIM_HTTP" \

@@ -55,7 +55,8 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-log() { echo "[$(date -u +%H:%M:%S)] $*" >&2; }
+# shellcheck source=bench/lib.sh
+. "$root/bench/lib.sh"
 
 # ---------------------------------------------------------------------------------- install ---
 venv="$root/target/bench-peers/venv"
@@ -120,16 +121,6 @@ VPUB_KV=$((PORT_BASE + 121)); VPUB_REPLAY=$((PORT_BASE + 221)); VPUB_LOAD=$((POR
 SIM_KV=$((PORT_BASE + 111)); SIM_REPLAY=$((PORT_BASE + 211)); SIM_LOAD=$((PORT_BASE + 261))
 ROUTER=$((PORT_BASE + 301)); PROM=$((PORT_BASE + 401))
 
-wait_http() { # url what: polls until HTTP 200 or fails naming what was awaited and the last code
-  local url="$1" what="$2" code="" deadline=$((SECONDS + HEALTH_WAIT_S))
-  while [ $SECONDS -lt $deadline ]; do
-    code="$(curl -s --max-time 2 -o /dev/null -w '%{http_code}' "$url" 2>/dev/null || true)"
-    [ "$code" = 200 ] && return 0
-    sleep 0.1
-  done
-  echo "timed out after ${HEALTH_WAIT_S}s waiting for $what ($url): last HTTP code '$code'" >&2
-  return 1
-}
 
 # ------------------------------------------------------------------------- backends (nginx, sims) ---
 ng="$out/nginx"

@@ -875,6 +875,24 @@ async fn run_external_and_print(router_url: &str, args: &DemoArgs) -> Result<(),
     Ok(())
 }
 
+/// A workload small enough for a test to run every policy in seconds (4 two-turn conversations
+/// over 2 system prompts, concurrency 2); the in-process fleet, router and accounting are the
+/// demo's own.
+pub fn tiny_workload_args() -> DemoArgs {
+    DemoArgs {
+        conversations: 4,
+        system_prompts: 2,
+        turns: 2,
+        concurrency: 2,
+        seed: 3,
+        policies: vec![],
+        router_url: None,
+        engine_urls: vec![],
+        label: "external".into(),
+        json: false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -927,18 +945,7 @@ mod tests {
     }
 
     fn tiny_args() -> DemoArgs {
-        DemoArgs {
-            conversations: 4,
-            system_prompts: 2,
-            turns: 2,
-            concurrency: 2,
-            seed: 3,
-            policies: vec![],
-            router_url: None,
-            engine_urls: vec![],
-            label: "external".into(),
-            json: false,
-        }
+        super::tiny_workload_args()
     }
 
     /// The external mode drives a router it did not start: here a real kvroute (cache_aware)

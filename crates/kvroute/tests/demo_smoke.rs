@@ -1,22 +1,9 @@
 //! The README's main command must keep working: the demo's full pipeline (fresh fleet per policy,
 //! router, KV subscriptions, streamed multi-turn chats, usage accounting) on a tiny workload.
 
-use kvroute::config::DemoArgs;
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_completes_every_policy_and_cache_aware_reuses_the_cache() {
-    let args = DemoArgs {
-        conversations: 4,
-        system_prompts: 2,
-        turns: 2,
-        concurrency: 2,
-        seed: 3,
-        policies: vec![],
-        router_url: None,
-        engine_urls: vec![],
-        label: "external".into(),
-        json: false,
-    };
+    let args = kvroute::demo::tiny_workload_args();
     let results = kvroute::demo::run_policies(&args).await.expect("demo runs");
     assert_eq!(
         results.len(),
