@@ -106,6 +106,16 @@ def dump(o, f):
 dump({"model": "kvroute-sim", "prompt": ids, "max_tokens": 1}, "completions-ids.json")
 dump({"model": "kvroute-sim", "prompt": text, "max_tokens": 1}, "completions-text.json")
 dump({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}, "generate-ids.json")
+# A multi-turn chat as chat clients send it: a shared ~700-word system prompt and 8 earlier
+# turns resent with every request (the demo's shape); the same body every time, so kvroute's
+# per-message tokenization cache is warm as it is for a conversation's earlier turns.
+system = "You are a careful assistant. " + " ".join(r.choice(words) for _ in range(700))
+msgs = [{"role": "system", "content": system}]
+for t in range(8):
+    msgs.append({"role": "user", "content": " ".join(r.choice(words) for _ in range(40))})
+    msgs.append({"role": "assistant", "content": " ".join(r.choice(words) for _ in range(24))})
+msgs.append({"role": "user", "content": "and the last question of this turn?"})
+dump({"model": "kvroute-sim", "messages": msgs, "max_tokens": 1}, "chat.json")
 dump({"text": text, "sampling_params": {"max_new_tokens": 1}}, "generate-text.json")
 EOF
 
@@ -263,12 +273,14 @@ start_vllm() { # policy
   router_pid=$!
   wait_http "http://127.0.0.1:$ROUTER/health" "vllm-router $1"
 }
-start_kvroute() { # policy worker-port-a worker-port-b
+start_kvroute() { # policy worker-port-a worker-port-b [extra kvroute flags...]
   ensure_backends
-  "$bin/kvroute" --host 127.0.0.1 --port "$ROUTER" --policy "$1" \
-    --worker-urls "http://127.0.0.1:$2" "http://127.0.0.1:$3" >"$out/kvroute-$1-$2.log" 2>&1 &
+  local policy="$1" port_a="$2" port_b="$3"
+  shift 3
+  "$bin/kvroute" --host 127.0.0.1 --port "$ROUTER" --policy "$policy" \
+    --worker-urls "http://127.0.0.1:$port_a" "http://127.0.0.1:$port_b" "$@" >"$out/kvroute-$policy-$port_a.log" 2>&1 &
   router_pid=$!
-  wait_http "http://127.0.0.1:$ROUTER/readyz" "kvroute $1"
+  wait_http "http://127.0.0.1:$ROUTER/readyz" "kvroute $policy"
 }
 kv_applied() { # sum of applied KV batches over kvroute's workers
   curl -s --max-time 2 "http://127.0.0.1:$ROUTER/workers" | python3 -c '
@@ -340,6 +352,14 @@ if want kvroute-cache_aware-nginx; then
   curl -s --max-time 10 -D "$out/kvroute-decision-nginx.txt" -o /dev/null -XPOST "$R/v1/completions" \
     -H 'content-type: application/json' --data-binary "@$out/completions-ids.json"
   measure kvroute-cache_aware-nginx-completions-ids kvroute cache_aware "nginx + sim KV publishers" "$R/v1/completions" completions-ids.json
+  stop_router
+fi
+if want kvroute-cache_aware-chat; then
+  # Multi-turn chat through kvroute: the router renders the chat template and tokenizes with the
+  # bundled tokenizer (segment cache warm), hashes, matches, scores and forwards. The paired
+  # direct run sends the same chat body straight to nginx.
+  start_kvroute cache-aware "$NG_A" "$NG_B" --tokenizer-path "$root/assets/tokenizer/tokenizer.json"
+  measure kvroute-cache_aware-chat kvroute cache_aware nginx "$R/v1/chat/completions" chat.json
   stop_router
 fi
 if want kvroute-cache_aware-sim; then

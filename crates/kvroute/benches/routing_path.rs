@@ -90,6 +90,18 @@ fn bench(c: &mut Criterion) {
     c.bench_function("encode_chat_cached_9_messages", |b| {
         b.iter(|| tok.encode_chat(&messages).unwrap())
     });
+    // A conversation's NEXT turn: the 9 messages above are known, the previous answer and the
+    // new question are not (a different pair every iteration, as in a live multi-turn chat).
+    let mut turn = 0u64;
+    c.bench_function("encode_chat_next_turn_9_known_plus_2_new_messages", |b| {
+        b.iter(|| {
+            turn += 1;
+            let mut next = messages.clone();
+            next.push(serde_json::json!({"role": "assistant", "content": format!("answer number {turn} with some words")}));
+            next.push(serde_json::json!({"role": "user", "content": format!("follow-up question {turn}?")}));
+            tok.encode_chat(&next).unwrap()
+        })
+    });
     c.bench_function("encode_chat_whole_uncached_9_messages", |b| {
         b.iter(|| tok.encode_chat_whole(&messages).unwrap())
     });

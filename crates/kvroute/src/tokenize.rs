@@ -68,18 +68,30 @@ pub enum ChatTokenization {
     Whole,
 }
 
-/// A bounded approximate-LRU map from segment text (xxh3 hash + length) to its token ids. Two
-/// generations: lookups hit `current` or promote from `previous`; when `current` fills up it
-/// becomes `previous` and the old `previous` is dropped. That bounds memory by entries and by
-/// tokens without per-entry bookkeeping.
-struct SegmentCache {
-    current: HashMap<(u64, usize), Arc<[u32]>>,
-    previous: HashMap<(u64, usize), Arc<[u32]>>,
+/// What a cache entry costs against the token budget.
+trait TokenCost {
+    fn token_cost(&self) -> usize;
+}
+
+impl TokenCost for Arc<[u32]> {
+    fn token_cost(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A bounded approximate-LRU map. Two generations: lookups hit `current` or promote from
+/// `previous`; when `current` fills up (entries or tokens) it becomes `previous` and the old
+/// `previous` is dropped. That bounds memory by entries and by tokens without per-entry
+/// bookkeeping. Used for segment text (xxh3 hash + length) -> token ids, and for conversation
+/// prefixes (see [`PrefixRender`]).
+struct SegmentCache<K, V> {
+    current: HashMap<K, V>,
+    previous: HashMap<K, V>,
     current_tokens: usize,
     entries_max: usize,
 }
 
-impl SegmentCache {
+impl<K: std::hash::Hash + Eq + Copy, V: TokenCost + Clone> SegmentCache<K, V> {
     fn new(entries_max: usize) -> Self {
         SegmentCache {
             current: HashMap::new(),
@@ -89,7 +101,7 @@ impl SegmentCache {
         }
     }
 
-    fn get(&mut self, key: (u64, usize)) -> Option<Arc<[u32]>> {
+    fn get(&mut self, key: K) -> Option<V> {
         if let Some(v) = self.current.get(&key) {
             return Some(v.clone());
         }
@@ -98,18 +110,19 @@ impl SegmentCache {
         Some(v)
     }
 
-    fn insert(&mut self, key: (u64, usize), tokens: Arc<[u32]>) {
-        if tokens.len() > MAX_CACHED_SEGMENT_TOKENS {
+    fn insert(&mut self, key: K, value: V) {
+        let cost = value.token_cost();
+        if cost > MAX_CACHED_SEGMENT_TOKENS {
             return;
         }
         if self.current.len() >= self.entries_max / 2
-            || self.current_tokens + tokens.len() > SEGMENT_CACHE_TOKENS_MAX / 2
+            || self.current_tokens + cost > SEGMENT_CACHE_TOKENS_MAX / 2
         {
             self.previous = std::mem::take(&mut self.current);
             self.current_tokens = 0;
         }
-        self.current_tokens += tokens.len();
-        self.current.insert(key, tokens);
+        self.current_tokens += cost;
+        self.current.insert(key, value);
     }
 
     fn len(&self) -> usize {
@@ -117,13 +130,43 @@ impl SegmentCache {
     }
 }
 
+/// What rendering a conversation prefix `messages[..=k]` produced, keyed by a chained hash of
+/// those messages: the rendering's length and hash (to check that a longer rendering really
+/// starts with it) and the tokens of the segment message `k` added. With it, a multi-turn request
+/// renders only the messages added since the conversation's previous turn (and the generation
+/// prompt), not every prefix again: rendering every prefix was the bulk of a cached chat's cost
+/// (minijinja evaluation and string copies, quadratic in the conversation's length).
+#[derive(Clone)]
+struct PrefixRender {
+    rendered_len: usize,
+    rendered_hash: u64,
+    segment: Arc<[u32]>,
+}
+
+impl TokenCost for PrefixRender {
+    fn token_cost(&self) -> usize {
+        self.segment.len()
+    }
+}
+
+/// Chained key of a conversation prefix: message `k`'s canonical JSON hashed with the key of
+/// `messages[..k]` as seed. The generation prompt gets its own step with a fixed marker.
+fn prefix_key(parent: u64, message_json: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(message_json, parent)
+}
+const PREFIX_KEY_ROOT: u64 = 0x6368_6174_7072_6566; // "chatpref"
+const GENERATION_PROMPT_MARK: &[u8] = b"\x00add_generation_prompt";
+
 /// One model's tokenizer, chat template and segment cache.
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
     template: Option<minijinja::Environment<'static>>,
     bos_token: String,
     eos_token: String,
-    cache: Mutex<SegmentCache>,
+    cache: Mutex<SegmentCache<(u64, usize), Arc<[u32]>>>,
+    prefixes: Mutex<SegmentCache<u64, PrefixRender>>,
+    /// Template renderings done, for tests and the benchmark's accounting.
+    renders: AtomicU64,
     chats_seen: AtomicU64,
     segmented_disabled: AtomicBool,
     pub path: PathBuf,
@@ -201,6 +244,8 @@ impl ModelTokenizer {
             bos_token: special_token_text(config.get("bos_token")),
             eos_token: special_token_text(config.get("eos_token")),
             cache: Mutex::new(SegmentCache::new(cache_entries_max)),
+            prefixes: Mutex::new(SegmentCache::new(cache_entries_max)),
+            renders: AtomicU64::new(0),
             chats_seen: AtomicU64::new(0),
             segmented_disabled: AtomicBool::new(false),
             path: file,
@@ -236,6 +281,7 @@ impl ModelTokenizer {
         let tmpl = env
             .get_template("chat")
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        self.renders.fetch_add(1, Ordering::Relaxed);
         tmpl.render(minijinja::context! {
             messages => minijinja::Value::from_serialize(messages),
             add_generation_prompt => add_generation_prompt,
@@ -243,6 +289,11 @@ impl ModelTokenizer {
             eos_token => self.eos_token.as_str(),
         })
         .map_err(|e| TokenizeError::Template(e.to_string()))
+    }
+
+    /// Chat template renderings done so far by this model's tokenizer.
+    pub fn renders_total(&self) -> u64 {
+        self.renders.load(Ordering::Relaxed)
     }
 
     /// Tokenizes the whole rendering at once (the reference the segmented path must equal).
@@ -291,25 +342,55 @@ impl ModelTokenizer {
         &self,
         messages: &[Value],
     ) -> Result<Option<(Vec<u32>, ChatTokenization)>, TokenizeError> {
+        // Step k < n is the prefix messages[..=k]; step n is the generation prompt.
+        let mut keys = Vec::with_capacity(messages.len() + 1);
+        let mut key = PREFIX_KEY_ROOT;
+        for m in messages {
+            let json =
+                serde_json::to_vec(m).map_err(|e| TokenizeError::BadMessages(e.to_string()))?;
+            key = prefix_key(key, &json);
+            keys.push(key);
+        }
+        keys.push(prefix_key(key, GENERATION_PROMPT_MARK));
         let mut out = Vec::new();
-        let mut prev = String::new();
         let (mut cached, mut fresh) = (0usize, 0usize);
-        for k in 0..=messages.len() {
+        // The longest run of steps already known: their segments come straight from the cache.
+        let mut prev_len = 0usize;
+        let mut prev_hash = xxhash_rust::xxh3::xxh3_64(b"");
+        let mut first = 0usize;
+        {
+            let mut prefixes = self.prefixes.lock();
+            while let Some(known) = keys.get(first).and_then(|&k| prefixes.get(k)) {
+                out.extend_from_slice(&known.segment);
+                cached += 1;
+                prev_len = known.rendered_len;
+                prev_hash = known.rendered_hash;
+                first += 1;
+            }
+        }
+        for (k, &step_key) in keys.iter().enumerate().skip(first) {
             let rendered = if k < messages.len() {
                 self.render(&messages[..=k], false)?
             } else {
                 self.render(messages, true)?
             };
-            let Some(segment) = rendered.strip_prefix(prev.as_str()) else {
+            // Prefix-stable means this rendering starts with the previous one (checked by
+            // length and hash, since the previous one may come from the cache).
+            let Some(segment) = rendered.get(prev_len..) else {
                 return Ok(None);
             };
-            if !segment.is_empty() {
-                let key = (
+            if xxhash_rust::xxh3::xxh3_64(&rendered.as_bytes()[..prev_len]) != prev_hash {
+                return Ok(None);
+            }
+            let tokens: Arc<[u32]> = if segment.is_empty() {
+                Arc::from(Vec::new())
+            } else {
+                let seg_key = (
                     xxhash_rust::xxh3::xxh3_64(segment.as_bytes()),
                     segment.len(),
                 );
-                let hit = self.cache.lock().get(key);
-                let tokens = match hit {
+                let hit = self.cache.lock().get(seg_key);
+                match hit {
                     Some(t) => {
                         cached += 1;
                         t
@@ -317,13 +398,22 @@ impl ModelTokenizer {
                     None => {
                         fresh += 1;
                         let t: Arc<[u32]> = self.encode(segment, false)?.into();
-                        self.cache.lock().insert(key, t.clone());
+                        self.cache.lock().insert(seg_key, t.clone());
                         t
                     }
-                };
-                out.extend_from_slice(&tokens);
-            }
-            prev = rendered;
+                }
+            };
+            out.extend_from_slice(&tokens);
+            prev_len = rendered.len();
+            prev_hash = xxhash_rust::xxh3::xxh3_64(rendered.as_bytes());
+            self.prefixes.lock().insert(
+                step_key,
+                PrefixRender {
+                    rendered_len: prev_len,
+                    rendered_hash: prev_hash,
+                    segment: tokens,
+                },
+            );
         }
         Ok(Some((
             out,
@@ -415,7 +505,7 @@ mod tests {
 
     #[test]
     fn segment_cache_stays_bounded_and_keeps_recent_entries() {
-        let mut c = SegmentCache::new(8);
+        let mut c: SegmentCache<(u64, usize), Arc<[u32]>> = SegmentCache::new(8);
         for i in 0..100u64 {
             c.insert((i, 1), vec![i as u32].into());
             assert!(c.len() <= 8, "cache grew to {}", c.len());
@@ -429,7 +519,7 @@ mod tests {
 
     #[test]
     fn a_promoted_entry_survives_the_next_generation_swap() {
-        let mut c = SegmentCache::new(4);
+        let mut c: SegmentCache<(u64, usize), Arc<[u32]>> = SegmentCache::new(4);
         c.insert((1, 1), vec![1].into());
         c.insert((2, 1), vec![2].into()); // swap: {1} becomes previous
         assert!(c.get((1, 1)).is_some()); // promoted back into current
@@ -439,7 +529,7 @@ mod tests {
 
     #[test]
     fn oversized_segments_are_not_cached() {
-        let mut c = SegmentCache::new(8);
+        let mut c: SegmentCache<(u64, usize), Arc<[u32]>> = SegmentCache::new(8);
         c.insert((1, 1), vec![0u32; MAX_CACHED_SEGMENT_TOKENS + 1].into());
         assert!(c.get((1, 1)).is_none());
     }
@@ -571,6 +661,56 @@ mod real_tokenizer_tests {
             }
         );
         assert_eq!(tokens, tok.encode_chat_whole(&turn2).unwrap());
+    }
+
+    #[test]
+    fn a_later_turn_renders_only_the_messages_added_since_the_previous_turn() {
+        let tok = shipped();
+        let mut conversation = vec![json!({"role": "system", "content": "Be brief. ".repeat(50)})];
+        for turn in 0..6 {
+            conversation.push(json!({"role": "user", "content": format!("question {turn}")}));
+            let before = tok.renders_total();
+            // Skip the whole-text verification renders of the first chats: count them apart.
+            let verified = tok.chats_seen.load(Ordering::Relaxed) < VERIFY_FIRST_CHATS;
+            let (tokens, _) = tok.encode_chat(&conversation).unwrap();
+            let renders = tok.renders_total() - before - u64::from(verified);
+            // Turn 0 renders system, user and the generation prompt; later turns the previous
+            // answer, the new question and the generation prompt: never the whole history again.
+            assert_eq!(renders, 3, "turn {turn}: {renders} renders");
+            assert_eq!(tokens, tok.encode_chat_whole(&conversation).unwrap());
+            conversation.push(json!({"role": "assistant", "content": format!("answer {turn}")}));
+        }
+        let before = tok.renders_total();
+        conversation.pop();
+        tok.chats_seen
+            .store(VERIFY_FIRST_CHATS + 1, Ordering::Relaxed);
+        tok.encode_chat(&conversation).unwrap();
+        assert_eq!(
+            tok.renders_total(),
+            before,
+            "a repeated request is served from the prefix cache without rendering"
+        );
+    }
+
+    #[test]
+    fn a_cached_prefix_the_longer_rendering_does_not_start_with_falls_back_to_whole() {
+        let mut tok = shipped();
+        // Renders the message count first: a one-message rendering ("1[a]") is cached by the
+        // first request, and the two-message rendering ("2[a][b]") does not start with it.
+        let mut env = minijinja::Environment::new();
+        env.add_template_owned(
+            "chat",
+            "{{ messages|length }}{% for m in messages %}[{{ m.content }}]{% endfor %}".to_string(),
+        )
+        .unwrap();
+        tok.template = Some(env);
+        let one = vec![json!({"role": "user", "content": "a"})];
+        let (_, how) = tok.encode_chat(&one).unwrap();
+        assert!(matches!(how, ChatTokenization::Segmented { .. }));
+        let two = vec![one[0].clone(), json!({"role": "user", "content": "b"})];
+        let (tokens, how) = tok.encode_chat(&two).unwrap();
+        assert_eq!(how, ChatTokenization::Whole);
+        assert_eq!(tokens, tok.encode_chat_whole(&two).unwrap());
     }
 
     #[test]
