@@ -1,7 +1,7 @@
 //! Forwarding a routed request to its engine rank and streaming the answer back.
 //!
 //! Shape and why:
-//! * The response body is the upstream body stream wrapped in [`TrackedStream`]; chunks are
+//! * The response body is the upstream body stream wrapped in [`TrackedBody`]; chunks are
 //!   handed to the client as they arrive (no buffering), and when the client goes away hyper drops
 //!   the body, which drops the upstream response and closes its connection: that is how a client
 //!   disconnect cancels the engine request.

@@ -17,6 +17,12 @@
 //! switches that model to whole-text tokenization for good. If a template's rendering of a prefix
 //! is not a prefix of the longer rendering (templates that look at the last message), that request
 //! is tokenized whole.
+//!
+//! Rendering every prefix is itself quadratic in the conversation's length, so what a prefix
+//! rendered is remembered too, keyed by a chained hash of its messages (`PrefixRender`): a
+//! conversation's next turn renders only the messages it adds (and the generation prompt), and a
+//! repeated request renders nothing. A remembered prefix is only used after checking, by length
+//! and hash, that the new rendering starts with it.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -83,7 +89,7 @@ impl TokenCost for Arc<[u32]> {
 /// `previous`; when `current` fills up (entries or tokens) it becomes `previous` and the old
 /// `previous` is dropped. That bounds memory by entries and by tokens without per-entry
 /// bookkeeping. Used for segment text (xxh3 hash + length) -> token ids, and for conversation
-/// prefixes (see [`PrefixRender`]).
+/// prefixes (see `PrefixRender`).
 struct SegmentCache<K, V> {
     current: HashMap<K, V>,
     previous: HashMap<K, V>,
