@@ -136,6 +136,9 @@ impl<K: std::hash::Hash + Eq + Copy, V: TokenCost + Clone> SegmentCache<K, V> {
     }
 }
 
+/// Segment text (xxh3 hash, byte length) -> its token ids.
+type SegmentTokens = SegmentCache<(u64, usize), Arc<[u32]>>;
+
 /// What rendering a conversation prefix `messages[..=k]` produced, keyed by a chained hash of
 /// those messages: the rendering's length and hash (to check that a longer rendering really
 /// starts with it) and the tokens of the segment message `k` added. With it, a multi-turn request
@@ -169,7 +172,7 @@ pub struct ModelTokenizer {
     template: Option<minijinja::Environment<'static>>,
     bos_token: String,
     eos_token: String,
-    cache: Mutex<SegmentCache<(u64, usize), Arc<[u32]>>>,
+    cache: Mutex<SegmentTokens>,
     prefixes: Mutex<SegmentCache<u64, PrefixRender>>,
     /// Template renderings done, for tests and the benchmark's accounting.
     renders: AtomicU64,
@@ -511,7 +514,7 @@ mod tests {
 
     #[test]
     fn segment_cache_stays_bounded_and_keeps_recent_entries() {
-        let mut c: SegmentCache<(u64, usize), Arc<[u32]>> = SegmentCache::new(8);
+        let mut c: SegmentTokens = SegmentCache::new(8);
         for i in 0..100u64 {
             c.insert((i, 1), vec![i as u32].into());
             assert!(c.len() <= 8, "cache grew to {}", c.len());
@@ -525,7 +528,7 @@ mod tests {
 
     #[test]
     fn a_promoted_entry_survives_the_next_generation_swap() {
-        let mut c: SegmentCache<(u64, usize), Arc<[u32]>> = SegmentCache::new(4);
+        let mut c: SegmentTokens = SegmentCache::new(4);
         c.insert((1, 1), vec![1].into());
         c.insert((2, 1), vec![2].into()); // swap: {1} becomes previous
         assert!(c.get((1, 1)).is_some()); // promoted back into current
@@ -535,7 +538,7 @@ mod tests {
 
     #[test]
     fn oversized_segments_are_not_cached() {
-        let mut c: SegmentCache<(u64, usize), Arc<[u32]>> = SegmentCache::new(8);
+        let mut c: SegmentTokens = SegmentCache::new(8);
         c.insert((1, 1), vec![0u32; MAX_CACHED_SEGMENT_TOKENS + 1].into());
         assert!(c.get((1, 1)).is_none());
     }
