@@ -170,6 +170,9 @@ pub struct RouterConfig {
     /// Demo / test only (no flag sets it): prefix matches from the engines' real caches instead
     /// of the index, see [`crate::kv::PrefixOracle`].
     pub prefix_oracle: Option<Arc<dyn crate::kv::PrefixOracle>>,
+    /// How long a routed request's blocks count as pending on the chosen rank before its KV
+    /// events confirm them (see [`crate::pending`]); 0 disables pending prefixes.
+    pub pending_prefix_ttl_ms: u64,
 }
 
 impl RouterConfig {
@@ -259,6 +262,7 @@ impl Default for RouterConfig {
             peer_source: None,
             engine_discovery: None,
             prefix_oracle: None,
+            pending_prefix_ttl_ms: crate::pending::DEFAULT_PENDING_PREFIX_TTL_MS,
         }
     }
 }
@@ -378,6 +382,11 @@ pub struct ServeArgs {
     /// Softmax temperature in milliseconds of estimated TTFT; 0 = always the cheapest rank.
     #[arg(long, env = "KVROUTE_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f64,
+    /// How long (ms) a routed request's prompt blocks count as cached on the chosen rank until
+    /// the engine's KV events confirm them; same-prefix requests arriving meanwhile follow it.
+    /// 0 disables.
+    #[arg(long, env = "KVROUTE_PENDING_PREFIX_TTL_MS", default_value_t = crate::pending::DEFAULT_PENDING_PREFIX_TTL_MS)]
+    pub pending_prefix_ttl_ms: u64,
     /// Add an `x-kvroute-decision` header to every routed response.
     #[arg(long, env = "KVROUTE_DECISION_HEADER")]
     pub decision_header: bool,
@@ -481,6 +490,7 @@ impl ServeArgs {
             kv_snapshot_max_bytes: self.kv_snapshot_max_bytes,
             peer_source,
             engine_discovery,
+            pending_prefix_ttl_ms: self.pending_prefix_ttl_ms,
             ..RouterConfig::default()
         })
     }

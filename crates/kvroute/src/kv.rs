@@ -81,8 +81,8 @@ pub struct KvBridge {
 }
 
 thread_local! {
-    /// Per routing thread: the request's block hashes and the match output, reused.
-    static SCRATCH: RefCell<(Vec<u64>, PrefixMatch)> = RefCell::new((Vec::new(), PrefixMatch::new()));
+    /// Per routing thread: the match output, reused.
+    static SCRATCH: RefCell<PrefixMatch> = RefCell::new(PrefixMatch::new());
 }
 
 impl KvBridge {
@@ -217,23 +217,29 @@ impl KvBridge {
         map
     }
 
-    /// Hashes `tokens` once and matches them against `model`'s index, calling `visit(url,
-    /// dp_rank, hit)` for every rank holding at least the first block. Returns the index's block
-    /// size, or `None` when the model has no index (no worker publishes events).
+    /// Hashes `tokens` once into `hashes` and matches them against `model`'s index, calling
+    /// `visit(url, dp_rank, hit)` for every rank holding at least the first block. Returns the
+    /// index's block size, or `None` when the model has no index (no worker publishes events;
+    /// `hashes` is then left empty). The caller keeps the hashes for the pending-prefix table,
+    /// whose keys must be exactly the index's.
     pub fn match_prefix(
         &self,
         model: &str,
         tokens: &[u32],
+        hashes: &mut Vec<u64>,
         mut visit: impl FnMut(&str, u32, RankHit),
     ) -> Option<usize> {
+        hashes.clear();
         if let Some(oracle) = &self.oracle {
-            return oracle.match_prefix(model, tokens, &mut visit);
+            let block_size = oracle.match_prefix(model, tokens, &mut visit)?;
+            hash_blocks(tokens, block_size, hashes);
+            return Some(block_size);
         }
         let view = self.plane.model_view(model)?;
         let block_size = view.block_size as usize;
+        hash_blocks(tokens, block_size, hashes);
         SCRATCH.with(|scratch| {
-            let (hashes, matched) = &mut *scratch.borrow_mut();
-            hash::hash_token_blocks(tokens, block_size, hash::BASE_NAMESPACE, hashes);
+            let matched = &mut *scratch.borrow_mut();
             view.reader.match_prefix(hashes, matched);
             let mut map: Option<RankMap> = None;
             for m in &matched.ranks {
@@ -293,6 +299,11 @@ impl KvBridge {
             })
             .collect()
     }
+}
+
+/// The block hashes the index keys its nodes by (base namespace), for `tokens` at `block_size`.
+pub fn hash_blocks(tokens: &[u32], block_size: usize, out: &mut Vec<u64>) {
+    hash::hash_token_blocks(tokens, block_size, hash::BASE_NAMESPACE, out);
 }
 
 async fn models_endpoint_first_id(http: &reqwest::Client, url: &str) -> Result<String, String> {

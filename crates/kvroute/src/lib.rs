@@ -5,7 +5,8 @@
 //!
 //! Modules, one job each: [`config`] (CLI and config struct), [`registry`] (workers, models,
 //! health), [`tokenize`] (tokenizer, chat template, segment cache), [`kv`] (the bridge to the KV
-//! plane and index), [`policy`] (policies and the cost model), [`router`] (shared state, planning,
+//! plane and index), [`pending`] (routed-but-unconfirmed prefix blocks), [`policy`] (policies
+//! and the cost model), [`router`] (shared state, planning,
 //! health loop), [`proxy`] (forwarding and streaming), [`server`] (HTTP routes), [`metrics`],
 //! [`readiness`], [`error`], [`demo`]; for peer bootstrap: [`internal`] (the internal listener
 //! and its endpoints), [`snapshot_producer`] (cached single-flight index export),
@@ -20,6 +21,7 @@ pub mod internal;
 pub mod kv;
 pub mod metrics;
 pub mod peer_fetch;
+pub mod pending;
 pub mod policy;
 pub mod proxy;
 pub mod readiness;

@@ -13,7 +13,8 @@
 //! ```
 //!
 //! where hit tokens come from the rank's contiguous matched prefix (blocks * block size; blocks in
-//! a host/disk tier count as partially paid), `queued_prefill_tokens` is the router's estimate of
+//! a host/disk tier count as partially paid; blocks pending on the rank, routed there but not yet
+//! confirmed by KV events, count as device blocks), `queued_prefill_tokens` is the router's estimate of
 //! prompt tokens it sent to the rank that have not started answering, and `in_flight` is the larger
 //! of the router's own count and the engine-reported running + waiting requests (the engine sees
 //! traffic from other routers; the router sees its own dispatches before the engine reports them).
@@ -40,8 +41,12 @@ pub struct EngineLoad {
 /// What a policy knows about one routable rank.
 #[derive(Debug, Clone, Copy)]
 pub struct RankInput {
+    /// Contiguous prefix blocks the rank holds or will hold: the index's match extended by the
+    /// rank's pending blocks (see `crate::pending`); the cost model reads this.
     pub matched_blocks: u32,
     pub device_blocks: u32,
+    /// The part of `matched_blocks` that only pending entries vouch for (display and metrics).
+    pub pending_blocks: u32,
     pub in_flight: i64,
     pub queued_prefill_tokens: i64,
     pub engine: Option<EngineLoad>,
@@ -135,7 +140,13 @@ impl Policy {
                 } else if best_match == 0 {
                     "cold"
                 } else if ranks[first].matched_blocks == best_match {
-                    "cache_hit"
+                    // Only pending entries put the choice ahead: the prefix is still being
+                    // prefilled there.
+                    if ranks[first].pending_blocks > 0 {
+                        "pending_hit"
+                    } else {
+                        "cache_hit"
+                    }
                 } else {
                     "load_over_cache"
                 };
@@ -239,6 +250,7 @@ mod tests {
         RankInput {
             matched_blocks: matched,
             device_blocks: matched,
+            pending_blocks: 0,
             in_flight: 0,
             queued_prefill_tokens: 0,
             engine: None,
@@ -255,6 +267,15 @@ mod tests {
         assert_eq!(d.order, vec![1, 2, 0]);
         assert_eq!(d.reason, "cache_hit");
         assert!(d.scores[1].cost_ms < d.scores[2].cost_ms);
+    }
+
+    #[test]
+    fn a_choice_won_by_pending_blocks_is_reported_as_a_pending_hit() {
+        let mut pending = idle(6);
+        pending.pending_blocks = 4;
+        let d = policy(PolicyKind::CacheAware).decide(&[idle(2), pending], 128, 16);
+        assert_eq!(d.order[0], 1);
+        assert_eq!(d.reason, "pending_hit");
     }
 
     #[test]

@@ -4,7 +4,11 @@
 //! [`Router`] is built once by `serve` and shared (`Arc`) by every handler. Choosing a rank is
 //! synchronous and lock-light: the model group is an `Arc` snapshot, per-rank load is atomics,
 //! the prefix match writes into a thread-local buffer, and nothing is held across an await.
+//! A routed `cache_aware` plan also records the prompt's blocks as pending on the chosen rank
+//! ([`crate::pending`]) while the block hashes are still in that buffer; `/debug/route` plans
+//! without recording, so looking never changes what the next request sees.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,6 +18,7 @@ use crate::config::{RouterConfig, WorkerSpec};
 use crate::error::ApiError;
 use crate::kv::KvBridge;
 use crate::metrics::Metrics;
+use crate::pending::{PendingPrefixes, RankKey, RankWalk};
 use crate::policy::{Decision, Policy, RankInput};
 use crate::registry::{HealthEvent, ModelGroup, Registry, Worker, WorkerId};
 use crate::tokenize::TokenizerSet;
@@ -22,6 +27,12 @@ use crate::tokenize::TokenizerSet;
 pub const FALLBACK_BLOCK_SIZE_TOKENS: usize = 16;
 /// Longest wait between registration attempts of a start-up worker that is not up yet.
 pub const REGISTER_RETRY_MAX_MS: u64 = 5_000;
+
+thread_local! {
+    /// Per routing thread: the request's block hashes and the pending walk's per-rank state,
+    /// reused so planning allocates neither.
+    static PLAN_SCRATCH: RefCell<(Vec<u64>, Vec<RankWalk>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
 
 pub struct Router {
     pub config: RouterConfig,
@@ -40,6 +51,8 @@ pub struct Router {
     pub peers: kvroute_peers::PeerRegistry,
     /// Producer of `GET /internal/kv_snapshot`.
     pub snapshots: Arc<crate::snapshot_producer::SnapshotProducer>,
+    /// Blocks routed to a rank and not yet confirmed by its KV events.
+    pub pending: PendingPrefixes,
 }
 
 /// One routable rank of the request's model.
@@ -68,7 +81,7 @@ impl RoutePlan {
         let c = &self.candidates[idx];
         let s = &self.decision.scores[idx];
         format!(
-            "policy={policy};reason={};worker={};url={};dp_rank={};matched_blocks={};prompt_tokens={};cost_ms={:.3};candidates={}",
+            "policy={policy};reason={};worker={};url={};dp_rank={};matched_blocks={};prompt_tokens={};cost_ms={:.3};candidates={};pending_blocks={}",
             self.decision.reason,
             c.worker.id,
             c.worker.url,
@@ -76,8 +89,16 @@ impl RoutePlan {
             c.input.matched_blocks,
             self.prompt_tokens,
             s.cost_ms,
-            self.candidates.len()
+            self.candidates.len(),
+            c.input.pending_blocks
         )
+    }
+}
+
+fn rank_key(c: &RankCandidate) -> RankKey {
+    RankKey {
+        worker: c.worker.id,
+        dp_rank: c.dp_rank,
     }
 }
 
@@ -106,9 +127,12 @@ impl Router {
             config.internal_auth_token.clone(),
             config.kv_snapshot_max_bytes,
         ));
+        let pending =
+            PendingPrefixes::new(config.pending_prefix_ttl_ms, &prom).map_err(|e| e.to_string())?;
         Ok(Router {
             peers,
             snapshots,
+            pending,
             kv: KvBridge::new(
                 config.kv_defaults.clone(),
                 &prom,
@@ -261,8 +285,28 @@ impl Router {
         }
     }
 
-    /// Scores every routable rank of `group` for `tokens` and orders them.
+    /// Scores every routable rank of `group` for `tokens` and orders them, and (cache_aware)
+    /// records the prompt's blocks as pending on the chosen rank: the routing path.
     pub fn plan(&self, group: Arc<ModelGroup>, tokens: &[u32]) -> Result<RoutePlan, ApiError> {
+        self.plan_inner(group, tokens, true)
+    }
+
+    /// Like [`Router::plan`] but without side effects on routing state (no pending entries):
+    /// for `/debug/route`, so inspecting a decision never changes the next one.
+    pub fn plan_preview(
+        &self,
+        group: Arc<ModelGroup>,
+        tokens: &[u32],
+    ) -> Result<RoutePlan, ApiError> {
+        self.plan_inner(group, tokens, false)
+    }
+
+    fn plan_inner(
+        &self,
+        group: Arc<ModelGroup>,
+        tokens: &[u32],
+        record_pending: bool,
+    ) -> Result<RoutePlan, ApiError> {
         let started = Instant::now();
         let now = started;
         let mut candidates = Vec::with_capacity(group.workers.len() * 2);
@@ -277,6 +321,7 @@ impl Router {
                     input: RankInput {
                         matched_blocks: 0,
                         device_blocks: 0,
+                        pending_blocks: 0,
                         in_flight: load.in_flight.load(std::sync::atomic::Ordering::Relaxed),
                         queued_prefill_tokens: load
                             .queued_prefill_tokens
@@ -296,22 +341,62 @@ impl Router {
             self.policy.kind == crate::config::PolicyKind::CacheAware && !tokens.is_empty();
         let mut block_size = group.block_size;
         let mut indexed = false;
-        if needs_match
-            && let Some(bs) = self.kv.match_prefix(&group.name, tokens, |url, dp, hit| {
-                if let Some(c) = candidates
-                    .iter_mut()
-                    .find(|c| c.dp_rank == dp && &*c.worker.url == url)
-                {
-                    c.input.matched_blocks = hit.matched_blocks;
-                    c.input.device_blocks = hit.device_blocks;
+        let decision = PLAN_SCRATCH.with(|scratch| {
+            let (hashes, walks) = &mut *scratch.borrow_mut();
+            hashes.clear();
+            if needs_match
+                && let Some(bs) =
+                    self.kv
+                        .match_prefix(&group.name, tokens, hashes, |url, dp, hit| {
+                            if let Some(c) = candidates
+                                .iter_mut()
+                                .find(|c| c.dp_rank == dp && &*c.worker.url == url)
+                            {
+                                c.input.matched_blocks = hit.matched_blocks;
+                                c.input.device_blocks = hit.device_blocks;
+                            }
+                        })
+            {
+                block_size = bs;
+                indexed = true;
+            }
+            let use_pending = needs_match && self.pending.enabled();
+            if use_pending && !indexed {
+                // No index for this model (no KV events): pending entries alone still keep a
+                // cold burst together, hashed at the group's block size.
+                crate::kv::hash_blocks(tokens, block_size, hashes);
+            }
+            if use_pending && let Some(table) = self.pending.model(&group.name) {
+                walks.clear();
+                walks.extend(candidates.iter().map(|c| {
+                    RankWalk::new(rank_key(c), c.input.matched_blocks, c.input.device_blocks)
+                }));
+                table.extend(hashes, self.pending.now_ms(now), walks);
+                for (c, w) in candidates.iter_mut().zip(walks.iter()) {
+                    c.input.matched_blocks = w.blocks;
+                    c.input.device_blocks = w.device_blocks;
+                    c.input.pending_blocks = w.pending_blocks();
                 }
-            })
-        {
-            block_size = bs;
-            indexed = true;
-        }
-        let inputs: Vec<RankInput> = candidates.iter().map(|c| c.input).collect();
-        let decision = self.policy.decide(&inputs, tokens.len(), block_size);
+            }
+            let inputs: Vec<RankInput> = candidates.iter().map(|c| c.input).collect();
+            let decision = self.policy.decide(&inputs, tokens.len(), block_size);
+            if use_pending && record_pending {
+                let chosen = &candidates[decision.order[0]];
+                // Only blocks neither indexed nor already pending there: an existing entry is
+                // not refreshed, because the request that made it is the one that will produce
+                // those blocks, so its TTL is the right horizon (and a stream of requests for
+                // a prefix that is never confirmed cannot keep it alive forever).
+                self.pending.record(
+                    &group.name,
+                    hashes,
+                    chosen.input.matched_blocks as usize,
+                    rank_key(chosen),
+                    now,
+                    chosen.input.pending_blocks > 0,
+                );
+            }
+            decision
+        });
         let policy = self.policy.kind.as_str();
         self.metrics
             .routing_latency

@@ -370,6 +370,8 @@ fn plan_json(router: &Router, plan: &RoutePlan) -> Value {
             json!({
                 "worker_id": c.worker.id, "url": c.worker.url, "dp_rank": c.dp_rank,
                 "matched_blocks": c.input.matched_blocks, "device_blocks": c.input.device_blocks,
+                "pending_blocks": c.input.pending_blocks,
+                "index_matched_blocks": c.input.matched_blocks - c.input.pending_blocks,
                 "in_flight": c.input.in_flight, "queued_prefill_tokens": c.input.queued_prefill_tokens,
                 "engine_load": c.input.engine, "uncached_tokens": s.uncached_tokens,
                 "cost_ms": s.cost_ms, "probability": s.probability,
@@ -381,6 +383,7 @@ fn plan_json(router: &Router, plan: &RoutePlan) -> Value {
     json!({
         "model": plan.model.name, "policy": router.policy.kind.as_str(), "reason": plan.decision.reason,
         "prompt_tokens": plan.prompt_tokens, "block_size": plan.model.block_size, "indexed": plan.indexed,
+        "pending_prefix_ttl_ms": router.pending.ttl_ms(),
         "chosen": {"worker_id": chosen.worker.id, "url": chosen.worker.url, "dp_rank": chosen.dp_rank},
         "ranks": ranks,
     })
@@ -400,7 +403,7 @@ async fn debug_route(State(s): State<AppState>, body: Body) -> Response {
             Endpoint::Completions
         };
         let prepared = prepare(router, endpoint, &bytes)?;
-        let plan = router.plan(prepared.group, &prepared.tokens)?;
+        let plan = router.plan_preview(prepared.group, &prepared.tokens)?;
         Ok::<_, ApiError>(plan_json(router, &plan))
     }
     .await;
