@@ -8,14 +8,18 @@
 //!
 //! ```text
 //! uncached  = prompt_tokens - device_hit_tokens - offloaded_hit_tokens * (1 - offloaded_fraction)
-//! cost_ms   = ( (uncached + queued_prefill_tokens) * prefill_cost_us_per_token
+//! queued_us = min(queued_prefill_tokens * prefill_cost_us_per_token, prefill_backlog_us)
+//! cost_ms   = ( uncached * prefill_cost_us_per_token + queued_us
 //!             + in_flight * decode_penalty_us_per_request ) / 1000
 //! ```
 //!
 //! where hit tokens come from the rank's contiguous matched prefix (blocks * block size; blocks in
 //! a host/disk tier count as partially paid; blocks pending on the rank, routed there but not yet
 //! confirmed by KV events, count as device blocks), `queued_prefill_tokens` is the router's estimate of
-//! prompt tokens it sent to the rank that have not started answering, and `in_flight` is the larger
+//! prompt tokens it sent to the rank that have not started answering, `prefill_backlog_us` is the
+//! same work on a virtual clock (each dispatch adds its prefill time after the rank's previous
+//! virtual finish time), so work sent long enough ago stops counting even before its first byte
+//! is seen, and `in_flight` is the larger
 //! of the router's own count and the engine-reported running + waiting requests (the engine sees
 //! traffic from other routers; the router sees its own dispatches before the engine reports them).
 //! With `temperature_ms = 0` the cheapest rank wins (exact ties broken at random so equal cold
@@ -49,6 +53,10 @@ pub struct RankInput {
     pub pending_blocks: u32,
     pub in_flight: i64,
     pub queued_prefill_tokens: i64,
+    /// The rank's queued prefill by virtual time (`RankLoad::prefill_backlog_us`): caps the
+    /// token-based queue estimate, which ignores how long ago that work was sent.
+    /// `f64::INFINITY` = no cap.
+    pub prefill_backlog_us: f64,
     pub engine: Option<EngineLoad>,
 }
 
@@ -97,8 +105,10 @@ pub fn score(
     let uncached =
         (prompt_tokens as f64 - device - offloaded * (1.0 - w.offloaded_block_cost_fraction))
             .max(0.0);
-    let queued = input.queued_prefill_tokens.max(0) as f64;
-    let cost_us = (uncached + queued) * w.prefill_cost_us_per_token
+    let queued_us = (input.queued_prefill_tokens.max(0) as f64 * w.prefill_cost_us_per_token)
+        .min(input.prefill_backlog_us.max(0.0));
+    let cost_us = uncached * w.prefill_cost_us_per_token
+        + queued_us
         + input.effective_in_flight() * w.decode_penalty_us_per_request;
     RankScore {
         uncached_tokens: uncached,
@@ -253,6 +263,7 @@ mod tests {
             pending_blocks: 0,
             in_flight: 0,
             queued_prefill_tokens: 0,
+            prefill_backlog_us: f64::INFINITY,
             engine: None,
         }
     }
@@ -297,6 +308,49 @@ mod tests {
         assert_eq!(a.effective_in_flight(), 15.0);
         let d = policy(PolicyKind::CacheAware).decide(&[a, idle(0)], 64, 16);
         assert_eq!(d.order[0], 1);
+    }
+
+    #[test]
+    fn queued_prefill_is_charged_only_as_long_as_its_virtual_backlog() {
+        let w = CostWeights::default();
+        let queued = RankInput {
+            queued_prefill_tokens: 1_000,
+            ..idle(0)
+        };
+        let full = score(&queued, 64, 16, &w).cost_ms;
+        let decayed = score(
+            &RankInput {
+                prefill_backlog_us: 5_000.0,
+                ..queued
+            },
+            64,
+            16,
+            &w,
+        )
+        .cost_ms;
+        let drained = score(
+            &RankInput {
+                prefill_backlog_us: 0.0,
+                ..queued
+            },
+            64,
+            16,
+            &w,
+        )
+        .cost_ms;
+        let cold = score(&idle(0), 64, 16, &w).cost_ms;
+        assert!(
+            (full - cold - 1_000.0 * w.prefill_cost_us_per_token / 1000.0).abs() < 1e-9,
+            "no backlog cap: the whole token estimate counts ({full} vs {cold})"
+        );
+        assert!(
+            (decayed - cold - 5.0).abs() < 1e-9,
+            "the backlog caps the queue at 5 ms ({decayed} vs {cold})"
+        );
+        assert!(
+            (drained - cold).abs() < 1e-9,
+            "a drained backlog charges nothing"
+        );
     }
 
     #[test]

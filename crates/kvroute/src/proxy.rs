@@ -44,11 +44,15 @@ pub struct LoadGuard {
 }
 
 impl LoadGuard {
+    /// `prefill_work_us` is the cost model's estimate of the request's prefill time on the rank
+    /// (its uncached tokens at the configured per-token cost).
     pub fn acquire(
         rank: Arc<RankLoad>,
         gauge: prometheus::IntGauge,
         prefill_tokens: i64,
+        prefill_work_us: u64,
     ) -> LoadGuard {
+        rank.reserve_prefill(crate::registry::clock_us(), prefill_work_us);
         rank.in_flight.fetch_add(1, Ordering::Relaxed);
         rank.queued_prefill_tokens
             .fetch_add(prefill_tokens, Ordering::Relaxed);
@@ -216,8 +220,12 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
             .in_flight
             .with_label_values(&[&worker.url, &cand.dp_rank.to_string()]);
         let uncached = plan.decision.scores[idx].uncached_tokens as i64;
-        let guard =
-            LoadGuard::acquire(worker.ranks[cand.dp_rank as usize].clone(), gauge, uncached);
+        let guard = LoadGuard::acquire(
+            worker.ranks[cand.dp_rank as usize].clone(),
+            gauge,
+            uncached,
+            (uncached.max(0) as f64 * router.policy.weights.prefill_cost_us_per_token) as u64,
+        );
         let dp_header = HeaderValue::from(cand.dp_rank);
         let mut upstream_headers = vec![(DP_RANK_HEADER, dp_header)];
         if let Ok(v) = HeaderValue::from_str(fwd.request_id) {

@@ -31,6 +31,37 @@ pub struct RankLoad {
     /// response byte arrives (the engine has finished prefill by then).
     pub queued_prefill_tokens: AtomicI64,
     pub dispatched_total: AtomicU64,
+    /// When (on [`clock_us`]) the rank should be done with the prefill work the router sent it,
+    /// were that work done one request after another at the cost model's rate: a virtual finish
+    /// time, advanced at each dispatch from `max(now, itself)`. `queued_prefill_tokens` alone
+    /// charges a dispatched prompt in full until its first byte comes back, so a request
+    /// arriving 50 ms into a 57 ms prefill was charged 57 ms of waiting; the backlog decays as
+    /// time passes, and the cost model takes the smaller of the two estimates.
+    pub prefill_busy_until_us: AtomicU64,
+}
+
+/// Microseconds on the router's monotonic clock (its zero is the clock's first use).
+pub fn clock_us() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_micros() as u64
+}
+
+impl RankLoad {
+    /// Adds `work_us` of prefill to the rank's virtual queue at `now_us`.
+    pub fn reserve_prefill(&self, now_us: u64, work_us: u64) {
+        let _ = self.prefill_busy_until_us.fetch_update(
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+            |until| Some(until.max(now_us).saturating_add(work_us)),
+        );
+    }
+
+    /// Prefill time still queued on the rank at `now_us` by the virtual-time estimate.
+    pub fn prefill_backlog_us(&self, now_us: u64) -> u64 {
+        self.prefill_busy_until_us
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .saturating_sub(now_us)
+    }
 }
 
 /// Health of a worker. Routable: `Healthy`, and `Ejected` once its cool-down has passed (a
@@ -304,6 +335,26 @@ impl Registry {
             .values()
             .filter(|w| w.routable(now))
             .count()
+    }
+}
+
+#[cfg(test)]
+mod rank_load_tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_backlog_queues_work_after_the_previous_finish_and_decays_with_time() {
+        let load = RankLoad::default();
+        load.reserve_prefill(1_000, 500);
+        assert_eq!(load.prefill_backlog_us(1_000), 500);
+        // Sent while the first is still running: it starts after the first finishes.
+        load.reserve_prefill(1_200, 500);
+        assert_eq!(load.prefill_backlog_us(1_200), 800);
+        assert_eq!(load.prefill_backlog_us(1_900), 100);
+        assert_eq!(load.prefill_backlog_us(5_000), 0, "drained, never negative");
+        // An idle rank's next work starts now, not at the old finish time.
+        load.reserve_prefill(10_000, 300);
+        assert_eq!(load.prefill_backlog_us(10_000), 300);
     }
 }
 

@@ -309,6 +309,7 @@ impl Router {
     ) -> Result<RoutePlan, ApiError> {
         let started = Instant::now();
         let now = started;
+        let now_us = crate::registry::clock_us();
         let mut candidates = Vec::with_capacity(group.workers.len() * 2);
         for w in &group.workers {
             if !w.routable(now) {
@@ -326,6 +327,7 @@ impl Router {
                         queued_prefill_tokens: load
                             .queued_prefill_tokens
                             .load(std::sync::atomic::Ordering::Relaxed),
+                        prefill_backlog_us: load.prefill_backlog_us(now_us) as f64,
                         engine: self.kv.engine_load(&w.url, r as u32),
                     },
                 });
