@@ -160,3 +160,26 @@ mod tests {
         assert_eq!(chain_hash(5, &tokens, None), xxh3_64_with_seed(&bytes, 5));
     }
 }
+
+/// A `Hasher` for keys that ARE content hashes ([`chain_hash`] values): they are uniform 64-bit
+/// values already, so a map keyed by them uses the key itself instead of hashing it again.
+/// Other writes (not expected) are folded in so it stays a valid, if weak, hasher.
+#[derive(Default)]
+pub struct ContentHashHasher(u64);
+
+impl std::hash::Hasher for ContentHashHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+/// `BuildHasher` for maps keyed by content hashes (see [`ContentHashHasher`]).
+pub type ContentHashBuilder = std::hash::BuildHasherDefault<ContentHashHasher>;

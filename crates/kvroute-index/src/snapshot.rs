@@ -15,7 +15,6 @@
 //! Restore validates the whole snapshot before touching the index, so a malformed snapshot leaves
 //! the index exactly as it was, and names the first violation with its position.
 
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use hashbrown::HashMap;
@@ -232,25 +231,7 @@ pub fn validate_snapshot(s: &IndexSnapshot, block_size: u32) -> Result<(), Resto
     validate_structure(s)
 }
 
-/// Content hashes are already uniform 64-bit values: use them as their own hash.
-#[derive(Default)]
-struct IdentityHasher(u64);
-
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
-
-type HashToIdx = HashMap<u64, u32, BuildHasherDefault<IdentityHasher>>;
+type HashToIdx = HashMap<u64, u32, crate::hash::ContentHashBuilder>;
 
 const NONE: u32 = u32::MAX;
 

@@ -34,7 +34,6 @@
 //!   FIFO, which stop growing at the cap.
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
@@ -107,25 +106,8 @@ impl RankWalk {
     }
 }
 
-/// Block hashes are already uniformly mixed 64-bit content hashes: hashing them again is waste.
-#[derive(Default)]
-struct IdentityHasher(u64);
-
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
-
-type BlockMap<V> = HashMap<u64, V, BuildHasherDefault<IdentityHasher>>;
+/// Block hashes are the index's content hashes, uniform already: keyed as they are.
+type BlockMap<V> = HashMap<u64, V, kvroute_index::hash::ContentHashBuilder>;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Holder {

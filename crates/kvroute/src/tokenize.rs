@@ -701,18 +701,24 @@ mod real_tokenizer_tests {
         );
     }
 
-    #[test]
-    fn a_cached_prefix_the_longer_rendering_does_not_start_with_falls_back_to_whole() {
-        let mut tok = shipped();
-        // Renders the message count first: a one-message rendering ("1[a]") is cached by the
-        // first request, and the two-message rendering ("2[a][b]") does not start with it.
+    /// A template that renders the message count first: no rendering of a conversation is a
+    /// prefix of the rendering of a longer one.
+    fn count_first_template() -> minijinja::Environment<'static> {
         let mut env = minijinja::Environment::new();
         env.add_template_owned(
             "chat",
             "{{ messages|length }}{% for m in messages %}[{{ m.content }}]{% endfor %}".to_string(),
         )
         .unwrap();
-        tok.template = Some(env);
+        env
+    }
+
+    #[test]
+    fn a_cached_prefix_the_longer_rendering_does_not_start_with_falls_back_to_whole() {
+        let mut tok = shipped();
+        // Renders the message count first: a one-message rendering ("1[a]") is cached by the
+        // first request, and the two-message rendering ("2[a][b]") does not start with it.
+        tok.template = Some(count_first_template());
         let one = vec![json!({"role": "user", "content": "a"})];
         let (_, how) = tok.encode_chat(&one).unwrap();
         assert!(matches!(how, ChatTokenization::Segmented { .. }));
@@ -726,13 +732,7 @@ mod real_tokenizer_tests {
     fn a_template_that_is_not_prefix_stable_falls_back_to_whole_tokenization() {
         let mut tok = shipped();
         // Renders the message count first, so a prefix rendering is never a prefix of the next.
-        let mut env = minijinja::Environment::new();
-        env.add_template_owned(
-            "chat",
-            "{{ messages|length }}{% for m in messages %}[{{ m.content }}]{% endfor %}".to_string(),
-        )
-        .unwrap();
-        tok.template = Some(env);
+        tok.template = Some(count_first_template());
         let msgs = vec![
             json!({"role": "user", "content": "a"}),
             json!({"role": "user", "content": "b"}),

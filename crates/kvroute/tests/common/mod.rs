@@ -123,11 +123,15 @@ pub async fn wait_subscribed(base: &str, ranks: usize) {
     .await;
 }
 
-/// Stores `chain` on `engine`'s `rank` until the router's index shows `blocks` of it there.
+/// Stores `chain` on `engine`'s `rank` and waits until the router's index shows `blocks` of it
+/// on that rank.
 ///
-/// ZMQ drops batches published before a subscription takes effect (slow joiner), and the plane
-/// notices a lost batch only when a later one arrives. So each attempt first publishes a fresh
-/// one-block sentinel (a new batch, which exposes any gap and triggers replay), then the chain.
+/// Two phases, because of ZMQ's slow joiner: events published before the router's
+/// subscription reaches the engine's PUB socket are dropped, and an engine never re-announces a
+/// block it already holds, so a chain whose one announcement was dropped could never be indexed
+/// by storing it again. First, fresh sentinel blocks are stored until the router has APPLIED a
+/// batch from this rank (the subscription is live, and the router has a cursor, so any later
+/// loss shows as a gap that it replays); only then is the chain stored, once.
 pub async fn store_until_indexed(
     base: &str,
     engine: &kvroute_sim::EngineHandle,
@@ -139,7 +143,7 @@ pub async fn store_until_indexed(
     let block = engine.block_size();
     let mut attempt = 0u32;
     wait_until(
-        "the stored chain to reach the router's index",
+        "a batch from the rank to be applied by the router (subscription live)",
         WAIT_DEADLINE,
         || {
             attempt += 1;
@@ -147,7 +151,35 @@ pub async fn store_until_indexed(
                 .map(|t| 60_000 + attempt * 64 + t)
                 .collect();
             engine.store_chains(rank as usize, &[sentinel]);
-            engine.store_chains(rank as usize, &[chain.to_vec()]);
+            let (base, url) = (base.to_string(), url.clone());
+            async move {
+                let w = workers(&base).await;
+                let applied = w["workers"]
+                    .as_array()
+                    .and_then(|ws| ws.iter().find(|x| x["url"] == url.as_str()))
+                    .and_then(|x| x["kv_ranks"].as_array())
+                    .and_then(|rs| rs.iter().find(|r| r["dp_rank"] == rank))
+                    .and_then(|r| r["applied_batches"].as_u64());
+                match applied {
+                    Some(n) if n > 0 => Ok(()),
+                    _ => Err(format!("applied_batches {applied:?}: {w}")),
+                }
+            }
+        },
+    )
+    .await;
+    engine.store_chains(rank as usize, &[chain.to_vec()]);
+    wait_until(
+        "the stored chain to reach the router's index",
+        WAIT_DEADLINE,
+        || {
+            // A fresh sentinel per poll keeps batches flowing: had the chain's batch been lost
+            // after all, the next one shows the router a gap, which it replays.
+            attempt += 1;
+            let sentinel: Vec<u32> = (0..block as u32)
+                .map(|t| 60_000 + attempt * 64 + t)
+                .collect();
+            engine.store_chains(rank as usize, &[sentinel]);
             let (base, url, chain) = (base.to_string(), url.clone(), chain.to_vec());
             async move {
                 let (_, v, _) = post_json(
