@@ -113,9 +113,7 @@ impl<'a> Reader<'a> {
 
     #[inline]
     fn skip_ws(&mut self) {
-        while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.peek() {
-            self.pos += 1;
-        }
+        self.pos = skip_ws(self.bytes, self.pos);
     }
 
     fn literal(&mut self, word: &[u8]) -> Option<()> {
@@ -173,22 +171,12 @@ impl<'a> Reader<'a> {
             }
             ids.push(u32::try_from(value).ok()?);
             // A sign, fraction or exponent lands here as an unexpected byte.
+            i = skip_ws(b, i);
             match b.get(i) {
                 Some(b',') => i = skip_ws(b, i + 1),
                 Some(b']') => {
                     self.pos = i + 1;
                     return Some(ids);
-                }
-                Some(b' ' | b'\n' | b'\t' | b'\r') => {
-                    i = skip_ws(b, i);
-                    match b.get(i) {
-                        Some(b',') => i = skip_ws(b, i + 1),
-                        Some(b']') => {
-                            self.pos = i + 1;
-                            return Some(ids);
-                        }
-                        _ => return None,
-                    }
                 }
                 _ => return None,
             }
