@@ -281,17 +281,6 @@ fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("metric {name} not found in:\n{text}"))
 }
 
-async fn metrics_text(router: &RouterHandle) -> String {
-    client()
-        .get(format!("{}/metrics", router.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 /// A fleet, a router A over it, and random chains stored and indexed.
 async fn warm_router(
     engines: usize,
@@ -500,13 +489,13 @@ async fn a_cached_export_is_reused_within_max_age_and_rebuilt_past_it() {
     let (fleet, router, _) = warm_router(1, 2, 5, |_| {}).await;
     let base = router.internal_url();
     let builds = |t: &str| metric(t, "kvroute_snapshot_builds_total");
-    assert_eq!(builds(&metrics_text(&router).await), 0.0);
+    assert_eq!(builds(&metrics_text(&router.url()).await), 0.0);
     let f = fetcher(None);
     assert!(matches!(
         f.fetch_snapshot(&base, None, None).await,
         FetchOutcome::Body(_)
     ));
-    assert_eq!(builds(&metrics_text(&router).await), 1.0);
+    assert_eq!(builds(&metrics_text(&router.url()).await), 1.0);
     // Default max age (2 s) and an absurd one both reuse the export just built.
     assert!(matches!(
         f.fetch_snapshot(&base, None, None).await,
@@ -516,7 +505,7 @@ async fn a_cached_export_is_reused_within_max_age_and_rebuilt_past_it() {
         f.fetch_snapshot(&base, None, Some(u64::MAX)).await,
         FetchOutcome::Body(_)
     ));
-    let text = metrics_text(&router).await;
+    let text = metrics_text(&router.url()).await;
     assert_eq!(builds(&text), 1.0);
     assert_eq!(metric(&text, "kvroute_snapshot_cache_hits_total"), 2.0);
     // max_age_ms=0 needs data sampled after the request arrived: a rebuild.
@@ -524,13 +513,13 @@ async fn a_cached_export_is_reused_within_max_age_and_rebuilt_past_it() {
         f.fetch_snapshot(&base, None, Some(0)).await,
         FetchOutcome::Body(_)
     ));
-    assert_eq!(builds(&metrics_text(&router).await), 2.0);
+    assert_eq!(builds(&metrics_text(&router.url()).await), 2.0);
     // Unknown parameters are ignored; a malformed max_age_ms is a 400.
     let url = format!("{base}{KV_SNAPSHOT_PATH}?foo=bar&max_age_ms=60000");
     assert_eq!(raw_get(&url, None, None, None).await.status(), 200);
     let url = format!("{base}{KV_SNAPSHOT_PATH}?max_age_ms=-5");
     assert_eq!(raw_get(&url, None, None, None).await.status(), 400);
-    assert_eq!(builds(&metrics_text(&router).await), 2.0);
+    assert_eq!(builds(&metrics_text(&router.url()).await), 2.0);
     router.shutdown().await;
     fleet.shutdown().await;
 }
@@ -545,7 +534,7 @@ async fn concurrent_requests_share_one_build() {
     for r in &results {
         assert!(matches!(r, FetchOutcome::Body(_)), "{r:?}");
     }
-    let text = metrics_text(&router).await;
+    let text = metrics_text(&router.url()).await;
     assert_eq!(metric(&text, "kvroute_snapshot_builds_total"), 1.0);
     assert_eq!(metric(&text, "kvroute_snapshot_cache_hits_total"), 7.0);
     router.shutdown().await;
@@ -601,7 +590,7 @@ async fn an_export_over_the_byte_limit_is_refused_with_507() {
         let resp = raw_get(&url, accept, None, None).await;
         assert_eq!(resp.status(), 507, "accept {accept:?}");
     }
-    let text = metrics_text(&router).await;
+    let text = metrics_text(&router.url()).await;
     assert!(
         text.contains("kvroute_snapshot_refused_total{reason=\"too_large\"} 2"),
         "{text}"
@@ -624,7 +613,7 @@ async fn a_static_peer_list_without_self_appears_in_metrics() {
     ]);
     let cfg = cli.serve.into_config().unwrap();
     let router = kvroute::serve(cfg).await.unwrap();
-    let text = metrics_text(&router).await;
+    let text = metrics_text(&router.url()).await;
     assert_eq!(metric(&text, "kvroute_peers"), 2.0);
     assert_eq!(metric(&text, "kvroute_peers_synced"), 1.0);
     let peers: Vec<String> = router

@@ -65,17 +65,6 @@ fn header_field<'a>(decision: &'a str, key: &str) -> &'a str {
         .unwrap_or("")
 }
 
-async fn metrics_text(base: &str) -> String {
-    client()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 /// Waits until `busy` ranks each have exactly one request in flight (and the rest none).
 async fn wait_in_flight(base: &str, busy: usize) {
     wait_until(

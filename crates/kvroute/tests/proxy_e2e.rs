@@ -256,14 +256,7 @@ async fn a_dead_engine_is_retried_on_the_next_rank_and_then_ejected() {
             decision(&headers)
         );
     }
-    let metrics = client()
-        .get(format!("{}/metrics", router.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&router.url()).await;
     assert!(
         metrics.contains("kvroute_retries_total"),
         "no retry recorded:\n{metrics}"
@@ -545,14 +538,7 @@ async fn metrics_expose_requests_decisions_latency_matches_and_in_flight() {
     )
     .await;
     assert_eq!(status, 200);
-    let text = client()
-        .get(format!("{}/metrics", router.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(&router.url()).await;
     for series in [
         "kvroute_requests_total{route=\"/v1/completions\",status=\"200\"} 1",
         "kvroute_routing_decisions_total{policy=\"cache_aware\"",
@@ -564,6 +550,21 @@ async fn metrics_expose_requests_decisions_latency_matches_and_in_flight() {
     }
     router.shutdown().await;
     fleet.shutdown().await;
+}
+
+/// Waits (5 s at most) until `count` reads 0, naming `what` and the last count on failure.
+async fn wait_until_zero(what: &str, count: impl Fn() -> u64) {
+    wait_until(what, Duration::from_secs(5), || {
+        let n = count();
+        async move {
+            if n == 0 {
+                Ok(())
+            } else {
+                Err(format!("count={n}"))
+            }
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -605,36 +606,15 @@ async fn a_client_disconnect_cancels_the_engine_request_and_releases_the_rank() 
     );
     drop(stream);
     let r = router.router.clone();
-    wait_until(
-        "in-flight to return to 0 after the client hung up",
-        Duration::from_secs(5),
-        || {
-            let n = in_flight(&r);
-            async move {
-                if n == 0 {
-                    Ok(())
-                } else {
-                    Err(format!("in_flight={n}"))
-                }
-            }
-        },
-    )
+    wait_until_zero("in-flight to return to 0 after the client hung up", || {
+        in_flight(&r) as u64
+    })
     .await;
     // The engine side: the generation (200 tokens x 50 ms = 10 s) must stop long before it
     // would finish, i.e. the router closed the upstream request when its client went away.
-    wait_until(
+    wait_until_zero(
         "the engine's running request to be cancelled after the client hung up",
-        Duration::from_secs(5),
-        || {
-            let running = engine_running(&engine);
-            async move {
-                if running == 0 {
-                    Ok(())
-                } else {
-                    Err(format!("engine running requests={running}"))
-                }
-            }
-        },
+        || engine_running(&engine),
     )
     .await;
     router.shutdown().await;

@@ -123,6 +123,27 @@ pub async fn wait_subscribed(base: &str, ranks: usize) {
     .await;
 }
 
+/// The router's `/metrics` text.
+pub async fn metrics_text(base: &str) -> String {
+    client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Stores a fresh one-block chain (distinct per `attempt`) on the rank: a batch the engine
+/// must announce, since it never held those blocks.
+fn store_sentinel(engine: &kvroute_sim::EngineHandle, rank: u32, attempt: u32) {
+    let sentinel: Vec<u32> = (0..engine.block_size() as u32)
+        .map(|t| 60_000 + attempt * 64 + t)
+        .collect();
+    engine.store_chains(rank as usize, &[sentinel]);
+}
+
 /// Stores `chain` on `engine`'s `rank` and waits until the router's index shows `blocks` of it
 /// on that rank.
 ///
@@ -140,17 +161,13 @@ pub async fn store_until_indexed(
     blocks: u64,
 ) {
     let url = engine.http_url();
-    let block = engine.block_size();
     let mut attempt = 0u32;
     wait_until(
         "a batch from the rank to be applied by the router (subscription live)",
         WAIT_DEADLINE,
         || {
             attempt += 1;
-            let sentinel: Vec<u32> = (0..block as u32)
-                .map(|t| 60_000 + attempt * 64 + t)
-                .collect();
-            engine.store_chains(rank as usize, &[sentinel]);
+            store_sentinel(engine, rank, attempt);
             let (base, url) = (base.to_string(), url.clone());
             async move {
                 let w = workers(&base).await;
@@ -176,10 +193,7 @@ pub async fn store_until_indexed(
             // A fresh sentinel per poll keeps batches flowing: had the chain's batch been lost
             // after all, the next one shows the router a gap, which it replays.
             attempt += 1;
-            let sentinel: Vec<u32> = (0..block as u32)
-                .map(|t| 60_000 + attempt * 64 + t)
-                .collect();
-            engine.store_chains(rank as usize, &[sentinel]);
+            store_sentinel(engine, rank, attempt);
             let (base, url, chain) = (base.to_string(), url.clone(), chain.to_vec());
             async move {
                 let (_, v, _) = post_json(
