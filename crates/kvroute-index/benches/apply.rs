@@ -34,17 +34,7 @@ fn events() -> Vec<(u32, KvEvent)> {
                 let last = *hashes.last().expect("non-empty");
                 out.push((
                     rank,
-                    KvEvent::BlockStored(BlockStored {
-                        block_hashes: hashes,
-                        parent_block_hash: parent,
-                        token_ids,
-                        block_size: BLOCK_SIZE,
-                        lora_id: None,
-                        lora_name: None,
-                        medium: None,
-                        extra_keys: Vec::new(),
-                        group_idx: None,
-                    }),
+                    KvEvent::BlockStored(BlockStored::new(hashes, parent, token_ids, BLOCK_SIZE)),
                 ));
                 parent = Some(last);
             }

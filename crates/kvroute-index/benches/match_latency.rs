@@ -88,17 +88,7 @@ fn skewed_prompt(rng: &mut StdRng) -> u32 {
 }
 
 fn store_event(hashes: Vec<EngineHash>, parent: Option<EngineHash>, tokens: Vec<u32>) -> KvEvent {
-    KvEvent::BlockStored(BlockStored {
-        block_hashes: hashes,
-        parent_block_hash: parent,
-        token_ids: tokens,
-        block_size: BLOCK_SIZE,
-        lora_id: None,
-        lora_name: None,
-        medium: None,
-        extra_keys: Vec::new(),
-        group_idx: None,
-    })
+    KvEvent::BlockStored(BlockStored::new(hashes, parent, tokens, BLOCK_SIZE))
 }
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {

@@ -226,15 +226,13 @@ impl PrefixCache {
     fn stored_event(&self, key: u64, medium: Medium) -> KvEvent {
         let n = &self.nodes[&key];
         KvEvent::BlockStored(BlockStored {
-            block_hashes: vec![EngineHash(n.engine_hash)],
-            parent_block_hash: n.parent_engine_hash.map(EngineHash),
-            token_ids: n.tokens.to_vec(),
-            block_size: self.cfg.block_size as u32,
-            lora_id: None,
-            lora_name: None,
             medium: Some(medium),
-            extra_keys: Vec::new(),
-            group_idx: None,
+            ..BlockStored::new(
+                vec![EngineHash(n.engine_hash)],
+                n.parent_engine_hash.map(EngineHash),
+                n.tokens.to_vec(),
+                self.cfg.block_size as u32,
+            )
         })
     }
 

@@ -15,19 +15,18 @@ const BLOCK_SIZE_TOKENS: u32 = 16;
 
 fn stored(first_hash: u64, blocks: usize, parent: Option<u64>) -> KvEvent {
     KvEvent::BlockStored(BlockStored {
-        block_hashes: (0..blocks as u64)
-            .map(|i| EngineHash((first_hash + i).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
-            .collect(),
-        parent_block_hash: parent.map(EngineHash),
-        token_ids: (0..blocks as u32 * BLOCK_SIZE_TOKENS)
-            .map(|t| 1000 + t * 37 % 150_000)
-            .collect(),
-        block_size: BLOCK_SIZE_TOKENS,
-        lora_id: None,
-        lora_name: None,
         medium: Some(Medium::Device),
-        extra_keys: Vec::new(),
         group_idx: Some(0),
+        ..BlockStored::new(
+            (0..blocks as u64)
+                .map(|i| EngineHash((first_hash + i).wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+                .collect(),
+            parent.map(EngineHash),
+            (0..blocks as u32 * BLOCK_SIZE_TOKENS)
+                .map(|t| 1000 + t * 37 % 150_000)
+                .collect(),
+            BLOCK_SIZE_TOKENS,
+        )
     })
 }
 

@@ -91,6 +91,30 @@ pub struct BlockStored {
     pub group_idx: Option<i64>,
 }
 
+impl BlockStored {
+    /// A store of `block_hashes` (chained under `parent`) with no LoRA, no medium (read as
+    /// device), no extra keys and no group: what producers and tests build most; set the other
+    /// fields with struct update syntax.
+    pub fn new(
+        block_hashes: Vec<EngineHash>,
+        parent_block_hash: Option<EngineHash>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+    ) -> BlockStored {
+        BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id: None,
+            lora_name: None,
+            medium: None,
+            extra_keys: Vec::new(),
+            group_idx: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct BlockRemoved {
     pub block_hashes: Vec<EngineHash>,

@@ -63,17 +63,7 @@ fn prompt_seed(p: u32) -> u64 {
 }
 
 fn store(hashes: Vec<EngineHash>, parent: Option<EngineHash>, tokens: Vec<u32>) -> KvEvent {
-    KvEvent::BlockStored(BlockStored {
-        block_hashes: hashes,
-        parent_block_hash: parent,
-        token_ids: tokens,
-        block_size: BLOCK_SIZE,
-        lora_id: None,
-        lora_name: None,
-        medium: None,
-        extra_keys: Vec::new(),
-        group_idx: None,
-    })
+    KvEvent::BlockStored(BlockStored::new(hashes, parent, tokens, BLOCK_SIZE))
 }
 
 /// (prompt, conversation seed, conversation blocks) of every stored conversation.

@@ -20,15 +20,13 @@ pub fn stored(
     medium: Option<Medium>,
 ) -> KvEvent {
     KvEvent::BlockStored(BlockStored {
-        block_hashes: hashes.iter().map(|&h| EngineHash(h)).collect(),
-        parent_block_hash: parent.map(EngineHash),
-        token_ids: tokens,
-        block_size,
-        lora_id: None,
-        lora_name: None,
         medium,
-        extra_keys: Vec::new(),
-        group_idx: None,
+        ..BlockStored::new(
+            hashes.iter().map(|&h| EngineHash(h)).collect(),
+            parent.map(EngineHash),
+            tokens,
+            block_size,
+        )
     })
 }
 
