@@ -56,6 +56,17 @@ fn new_plane() -> (KvPlane, prometheus::Registry) {
     (plane, registry)
 }
 
+/// A plane following `engine` (registered under its own URL) whose rank 0 has applied a batch.
+async fn attached_plane(engine: &EngineHandle) -> (KvPlane, prometheus::Registry) {
+    let (plane, registry) = new_plane();
+    plane
+        .add_worker(&engine.http_url(), MODEL, discover(engine).await)
+        .await
+        .expect("add");
+    warm_up(&plane, engine, 0).await;
+    (plane, registry)
+}
+
 async fn discover(engine: &EngineHandle) -> KvEventsConfig {
     let http = reqwest::Client::new();
     fetch_worker_info(&http, &engine.http_url())
@@ -187,12 +198,7 @@ async fn publisher_restart_clears_the_rank_and_reapplies_from_origin() {
     let fleet = fleet(1, false).await;
     let engine = &fleet.engines[0];
     let url = engine.http_url();
-    let (plane, registry) = new_plane();
-    plane
-        .add_worker(&url, MODEL, discover(engine).await)
-        .await
-        .expect("add");
-    warm_up(&plane, engine, 0).await;
+    let (plane, registry) = attached_plane(engine).await;
     let before = chain(1, 3);
     let seq = engine.store_chains(0, std::slice::from_ref(&before));
     wait_cursor(&plane, &url, 0, seq).await;
@@ -223,12 +229,7 @@ async fn dropped_batches_are_healed_by_replay_without_loss() {
     let fleet = fleet(1, false).await;
     let engine = &fleet.engines[0];
     let url = engine.http_url();
-    let (plane, registry) = new_plane();
-    plane
-        .add_worker(&url, MODEL, discover(engine).await)
-        .await
-        .expect("add");
-    warm_up(&plane, engine, 0).await;
+    let (plane, registry) = attached_plane(engine).await;
 
     engine.drop_next(0, 2);
     let chains: Vec<Vec<u32>> = (1..=3).map(|t| chain(t, 2)).collect();
@@ -657,12 +658,7 @@ async fn every_engine_encoding_is_indexed_at_full_depth() {
         .expect("fleet");
         let engine = &fleet.engines[0];
         let url = engine.http_url();
-        let (plane, registry) = new_plane();
-        plane
-            .add_worker(&url, MODEL, discover(engine).await)
-            .await
-            .expect("add");
-        warm_up(&plane, engine, 0).await;
+        let (plane, registry) = attached_plane(engine).await;
         let tokens = chain(7, 6);
         let seq = engine.store_chains(0, std::slice::from_ref(&tokens));
         wait_cursor(&plane, &url, 0, seq).await;
