@@ -204,6 +204,8 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
         .min(router.config.max_retries as usize + 1);
     let timeout = Duration::from_millis(router.config.request_timeout_ms);
     let mut last_error = String::new();
+    // Parsed once for every attempt; an id that is not a valid header value is not forwarded.
+    let request_id_header = HeaderValue::from_str(fwd.request_id).ok();
     for (attempt, &idx) in plan.decision.order.iter().take(attempts).enumerate() {
         let cand = &plan.candidates[idx];
         let worker = &cand.worker;
@@ -228,8 +230,8 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
         );
         let dp_header = HeaderValue::from(cand.dp_rank);
         let mut upstream_headers = vec![(DP_RANK_HEADER, dp_header)];
-        if let Ok(v) = HeaderValue::from_str(fwd.request_id) {
-            upstream_headers.push((REQUEST_ID_HEADER, v));
+        if let Some(v) = &request_id_header {
+            upstream_headers.push((REQUEST_ID_HEADER, v.clone()));
         }
         let send =
             router
@@ -286,9 +288,7 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
                 if let Some(ct) = resp.headers().get("content-type") {
                     headers.insert("content-type", ct.clone());
                 }
-                if let Ok(v) = HeaderValue::from_str(fwd.request_id) {
-                    headers.insert(HeaderName::from_static(REQUEST_ID_HEADER), v);
-                }
+                // The request id is added by the handler, to every response including errors.
                 if router.config.decision_header {
                     let text = plan.header_value(router.policy.kind.as_str(), idx);
                     if let Ok(v) = HeaderValue::from_str(&text) {
