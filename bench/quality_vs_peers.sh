@@ -9,13 +9,19 @@
 #
 # Why it is shaped this way:
 # - The workload is the demo's, unchanged: `kvroute demo --router-url URL` drives the same
-#   conversations (same seed, 40 conversations over 8 ~700-word system prompts, 4 turns, every
-#   turn resends the history, 24 output tokens, streaming chat, concurrency 16) through any
-#   router. The driver is the demo's own code, not a copy.
+#   conversations (same seed, 96 conversations over 8 ~700-word system prompts whose
+#   popularity is Zipf 1.2, so one prompt opens ~43 % of them; 4 turns, every turn resends the
+#   history, 24 output tokens, streaming chat, concurrency 32) through any router. The driver
+#   is the demo's own code, not a copy. `KVROUTE_DEMO_*` variables (the demo's own flags'
+#   env names) change the workload for every row alike; the earlier, uniform light workload is
+#   `KVROUTE_DEMO_SYSTEM_PROMPT_SKEW=0 KVROUTE_DEMO_CONVERSATIONS=40 KVROUTE_DEMO_CONCURRENCY=16
+#   FLEET_PREFILL=parallel`.
 # - Every row gets a FRESH `kvroute-sim` process configured like the demo's in-process fleet:
 #   4 engines x 2 DP ranks = 8 ranks, block 16 tokens, 320 device blocks per rank, 2 ms
-#   overhead + 60 us per uncached prompt token + 1 ms per output token, load stats published.
-#   Cold caches for every row; nothing a previous row left behind.
+#   overhead + 60 us per uncached prompt token + 1 ms per output token, load stats published,
+#   and (FLEET_PREFILL=serial, the demo's default) one prefill at a time per rank, as on a
+#   compute-bound GPU, so load on a rank delays its prompts. Cold caches for every row;
+#   nothing a previous row left behind.
 # - Each router gets its best honest configuration for 8 ranks:
 #   * kvroute: `--policy cache-aware|round-robin`, the workers' `/server_info` gives it the KV
 #     publishers and DP size; `--prefill-cost-us-per-token 60` (the sim's real cost, as the
@@ -47,8 +53,10 @@
 #      PORT_BASE..PORT_BASE+99 are used); SKIP_BUILD (1 = use the existing release binaries);
 #      SKIP_INSTALL (1 = do not create the peers' venv); SETTLE_MS (500) pause after a router is
 #      ready and probed, before the run (lets ZMQ subscriptions settle for the peers, which
-#      expose no subscriber state); SIM_EXTRA_ARGS (empty) extra kvroute-sim flags for every
-#      external row, for sensitivity runs that are NOT the demo's fleet (e.g. --prefill-serial);
+#      expose no subscriber state); FLEET_PREFILL (serial) the fleet's prefill model, serial or
+#      parallel, for the sims and the in-process rows alike; SIM_EXTRA_ARGS (empty) extra
+#      kvroute-sim flags for every external row, for sensitivity runs that are NOT the demo's
+#      fleet;
 #      the in-process rows are skipped then, since the in-process fleet cannot take them;
 #      KVROUTE_EXTRA_ARGS (empty) extra flags for the external kvroute rows (diagnostics, e.g.
 #      a different cost-model weight; say so when quoting such a run).
@@ -67,6 +75,12 @@ ROWS="${ROWS:-.}"
 PORT_BASE="${PORT_BASE:-18600}"
 SETTLE_MS="${SETTLE_MS:-500}"
 SIM_EXTRA_ARGS="${SIM_EXTRA_ARGS:-}"
+FLEET_PREFILL="${FLEET_PREFILL:-serial}"
+case "$FLEET_PREFILL" in
+  serial) fleet_prefill_flag=--prefill-serial ;;
+  parallel) fleet_prefill_flag= ;;
+  *) echo "FLEET_PREFILL must be serial or parallel, got '$FLEET_PREFILL'" >&2; exit 2 ;;
+esac
 KVROUTE_EXTRA_ARGS="${KVROUTE_EXTRA_ARGS:-}"
 HEALTH_WAIT_S=60
 
@@ -135,7 +149,7 @@ start_fleet() { # name kv-encoding
     --kv-port-base "$SIM_KV" --replay-port-base "$SIM_REPLAY" --load-port-base "$SIM_LOAD" \
     --load-publish --block-size 16 --capacity-blocks 320 --overhead-us 2000 \
     --prefill-us-per-token 60 --decode-us-per-token 1000 --served-model-name "$MODEL" \
-    --kv-encoding "$2" $SIM_EXTRA_ARGS >"$out/$1.sim.log" 2>&1 &
+    --kv-encoding "$2" $fleet_prefill_flag $SIM_EXTRA_ARGS >"$out/$1.sim.log" 2>&1 &
   sim_pid=$!
   for u in "${engine_urls[@]}"; do wait_http "$u/health" "kvroute-sim engine $u"; done
 }
@@ -245,14 +259,15 @@ measure_in_process() { # round
   local name="in-process.r$1" load
   load="$(cut -d' ' -f1 /proc/loadavg)"
   log "$name: kvroute demo --json --policies cache-aware,round-robin (in-process fleet; load $load)"
-  "$bin/kvroute" demo --json --policies cache-aware,round-robin >"$out/$name.json" \
+  "$bin/kvroute" demo --json --policies cache-aware,round-robin --fleet-prefill "$FLEET_PREFILL" >"$out/$name.json" \
     2>"$out/$name.driver.log" || log "$name: demo reported failures (see $out/$name.driver.log)"
   printf '%s\t%s\t%s\t%s\n' "$1" in-process "$load" "$out/$name.json" >>"$results"
 }
 
 want() { [[ "$1" =~ $ROWS ]]; }
 
-echo "kvroute-sim extra flags for the external rows: '${SIM_EXTRA_ARGS}'" >>"$out/provenance.txt"
+echo "fleet prefill model: $FLEET_PREFILL; kvroute-sim extra flags for the external rows: '${SIM_EXTRA_ARGS}'" >>"$out/provenance.txt"
+env | grep '^KVROUTE_DEMO_' >>"$out/provenance.txt" || true
 echo "kvroute extra flags for the external kvroute rows: '${KVROUTE_EXTRA_ARGS}'" >>"$out/provenance.txt"
 for round in $(seq 1 "$REPEATS"); do
   if [ -z "$SIM_EXTRA_ARGS" ]; then

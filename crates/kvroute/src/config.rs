@@ -146,6 +146,9 @@ pub struct RouterConfig {
     pub eject_after_failures: u32,
     pub eject_cooldown_ms: u64,
     pub shutdown_grace_ms: u64,
+    /// Threads serving the public listener, each with its own runtime and upstream pool
+    /// (see [`crate::data_plane`]); 0 = one per available CPU.
+    pub data_plane_threads: usize,
     pub tokenizer_cache_entries_max: usize,
     /// Extra readiness gates (e.g. peer bootstrap) ANDed with the built-in ones.
     pub extra_readiness_gates: Vec<Arc<dyn ReadinessGate>>,
@@ -252,6 +255,7 @@ impl Default for RouterConfig {
             eject_after_failures: 3,
             eject_cooldown_ms: 10_000,
             shutdown_grace_ms: 10_000,
+            data_plane_threads: 0,
             tokenizer_cache_entries_max: 65_536,
             extra_readiness_gates: Vec::new(),
             rng_seed: None,
@@ -294,10 +298,18 @@ pub enum Command {
     Demo(DemoArgs),
 }
 
+/// The demo fleet's prefill model (see `kvroute_sim`'s `--prefill-serial`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FleetPrefill {
+    Serial,
+    Parallel,
+}
+
 #[derive(Debug, Args, Clone)]
 pub struct DemoArgs {
     /// Number of conversations in the workload.
-    #[arg(long, env = "KVROUTE_DEMO_CONVERSATIONS", default_value_t = 40)]
+    #[arg(long, env = "KVROUTE_DEMO_CONVERSATIONS", default_value_t = 96)]
     pub conversations: usize,
     /// Distinct shared system prompts.
     #[arg(long, env = "KVROUTE_DEMO_SYSTEM_PROMPTS", default_value_t = 8)]
@@ -305,8 +317,16 @@ pub struct DemoArgs {
     /// User turns per conversation.
     #[arg(long, env = "KVROUTE_DEMO_TURNS", default_value_t = 4)]
     pub turns: usize,
+    /// Zipf exponent of the system prompts' popularity (0 = uniform): with 1.2, the most
+    /// popular of 8 prompts opens ~43 % of the conversations, like one big tenant among small ones.
+    #[arg(long, env = "KVROUTE_DEMO_SYSTEM_PROMPT_SKEW", default_value_t = 1.2, value_parser = parse_skew)]
+    pub system_prompt_skew: f64,
+    /// How the in-process fleet's ranks prefill: `serial` (one prompt at a time per rank, like a
+    /// compute-bound GPU) or `parallel` (every prompt at full speed, load never delays it).
+    #[arg(long, env = "KVROUTE_DEMO_FLEET_PREFILL", value_enum, default_value_t = FleetPrefill::Serial)]
+    pub fleet_prefill: FleetPrefill,
     /// Concurrent conversations.
-    #[arg(long, env = "KVROUTE_DEMO_CONCURRENCY", default_value_t = 16)]
+    #[arg(long, env = "KVROUTE_DEMO_CONCURRENCY", default_value_t = 32)]
     pub concurrency: usize,
     #[arg(long, env = "KVROUTE_DEMO_SEED", default_value_t = 7)]
     pub seed: u64,
@@ -405,6 +425,10 @@ pub struct ServeArgs {
     pub eject_after_failures: u32,
     #[arg(long, env = "KVROUTE_EJECT_COOLDOWN_MS", default_value_t = 10_000)]
     pub eject_cooldown_ms: u64,
+    /// Threads serving client connections, each with its own runtime and upstream connection
+    /// pool, so a request never hops threads; 0 = one per available CPU (at most 256).
+    #[arg(long, env = "KVROUTE_DATA_PLANE_THREADS", default_value_t = 0)]
+    pub data_plane_threads: usize,
     /// Port of the internal listener (`/internal/*`, peer traffic); default `--port` + 1.
     #[arg(long, env = "KVROUTE_INTERNAL_PORT")]
     pub internal_port: Option<u16>,
@@ -422,6 +446,18 @@ pub struct ServeArgs {
     pub peers: kvroute_peers::PeerDiscoveryArgs,
     #[command(flatten)]
     pub engines: kvroute_peers::EngineDiscoveryArgs,
+}
+
+/// Largest Zipf exponent accepted for the demo's prompt popularity (beyond it every
+/// conversation uses the first prompt anyway).
+pub const SYSTEM_PROMPT_SKEW_MAX: f64 = 16.0;
+
+fn parse_skew(raw: &str) -> Result<f64, String> {
+    let v: f64 = raw.parse().map_err(|e| format!("not a number: {e}"))?;
+    if !(0.0..=SYSTEM_PROMPT_SKEW_MAX).contains(&v) {
+        return Err(format!("must be within 0..={SYSTEM_PROMPT_SKEW_MAX}"));
+    }
+    Ok(v)
 }
 
 impl ServeArgs {
@@ -484,6 +520,7 @@ impl ServeArgs {
             health_timeout_ms: self.health_timeout_ms,
             eject_after_failures: self.eject_after_failures,
             eject_cooldown_ms: self.eject_cooldown_ms,
+            data_plane_threads: self.data_plane_threads,
             internal_bind: self.internal_bind,
             internal_port: self.internal_port,
             internal_auth_token,
@@ -499,6 +536,15 @@ impl ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn demo_skew_outside_its_range_or_not_a_number_is_refused() {
+        assert_eq!(parse_skew("1.2"), Ok(1.2));
+        assert_eq!(parse_skew("0"), Ok(0.0));
+        for bad in ["-0.5", "17", "NaN", "inf", "x"] {
+            assert!(parse_skew(bad).is_err(), "{bad} accepted");
+        }
+    }
 
     #[test]
     fn worker_spec_splits_a_model_suffix_but_keeps_plain_urls_whole() {

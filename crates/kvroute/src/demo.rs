@@ -6,9 +6,19 @@
 //! per rank and realistic prefill/decode timing, plus a router on port 0 pointed at it. It waits
 //! until every rank's KV subscriber is connected, then drives the same deterministic multi-turn
 //! chat workload (conversations sharing a few long system prompts, each turn resending the whole
-//! history, like chat clients do) at a fixed concurrency. Streaming responses are used so the
-//! time to first token is measured at the client as the arrival of the first chunk; the cache
-//! hit rate is the engines' own `cached_tokens / prompt_tokens` from the usage chunk.
+//! history, like chat clients do) at a fixed concurrency.
+//!
+//! The default workload is a MIXED load, the regime in which routers differ: the prompts'
+//! popularity is skewed (Zipf 1.2: one tenant opens ~43 % of the conversations), the hot
+//! tenant's working set exceeds one rank's cache, and each rank prefills one prompt at a time
+//! (`--fleet-prefill serial`, a compute-bound GPU), so piling a tenant onto one rank queues its
+//! prompts and evicts its histories. With uniform popularity and parallel prefill (the earlier
+//! default, still available through the flags) any sticky router spreads 8 prompts over 8 ranks
+//! by itself and load never delays a prompt, so every cache-aware router ties at the ceiling.
+//!
+//! Streaming responses are used so the time to first token is measured at the client as the
+//! arrival of the first chunk; the cache hit rate is the engines' own
+//! `cached_tokens / prompt_tokens` from the usage chunk.
 //!
 //! The `oracle` row is `cache_aware` with one change: the per-rank matched prefix is read from
 //! the simulated engines' ACTUAL caches at decision time ([`SimCacheOracle`], plugged in through
@@ -36,7 +46,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 
-use crate::config::{DemoArgs, PolicyKind, RouterConfig, WorkerSpec};
+use crate::config::{DemoArgs, FleetPrefill, PolicyKind, RouterConfig, WorkerSpec};
 use crate::kv::{PrefixOracle, RankHit};
 
 const ENGINES: usize = 4;
@@ -87,9 +97,21 @@ fn workload(args: &DemoArgs) -> Vec<Conversation> {
             ))
         })
         .collect();
+    // Zipf popularity over the system prompts (prompt i weighs 1/(i+1)^skew). Skew 0 keeps
+    // the uniform draw, and with it the exact conversations of earlier runs for the same seed.
+    let popularity = (args.system_prompt_skew > 0.0).then(|| {
+        let weights =
+            (0..systems.len()).map(|i| 1.0 / ((i + 1) as f64).powf(args.system_prompt_skew));
+        rand::distr::weighted::WeightedIndex::new(weights)
+            .expect("finite positive weights over at least one prompt")
+    });
     (0..args.conversations)
         .map(|_| Conversation {
-            system: systems[rng.random_range(0..systems.len())].clone(),
+            system: systems[match &popularity {
+                Some(p) => rng.sample(p),
+                None => rng.random_range(0..systems.len()),
+            }]
+            .clone(),
             user_turns: (0..args.turns.max(1))
                 .map(|_| {
                     let n = rng.random_range(20..60);
@@ -343,7 +365,7 @@ async fn chat_turn(
     Ok((sample, reply))
 }
 
-fn sim_config() -> kvroute_sim::SimConfig {
+fn sim_config(prefill: FleetPrefill) -> kvroute_sim::SimConfig {
     kvroute_sim::SimConfig {
         engines: ENGINES,
         dp_size: DP_SIZE,
@@ -357,6 +379,7 @@ fn sim_config() -> kvroute_sim::SimConfig {
         overhead_us: 2_000,
         prefill_us_per_token: 60,
         decode_us_per_token: 1_000,
+        prefill_serial: prefill == FleetPrefill::Serial,
         served_model_name: MODEL.into(),
         ..kvroute_sim::SimConfig::default()
     }
@@ -638,7 +661,7 @@ async fn run_policy(
     conversations: &Arc<Vec<Conversation>>,
     bar: &ProgressBar,
 ) -> Result<PolicyResult, String> {
-    let fleet = kvroute_sim::start_fleet(sim_config())
+    let fleet = kvroute_sim::start_fleet(sim_config(args.fleet_prefill))
         .await
         .map_err(|e| e.to_string())?;
     let config = router_config(&fleet, policy, oracle, args.seed);
@@ -704,6 +727,8 @@ fn workload_json(args: &DemoArgs) -> Value {
         "conversations": args.conversations,
         "system_prompts": args.system_prompts,
         "turns": args.turns,
+        "system_prompt_skew": args.system_prompt_skew,
+        "fleet_prefill": args.fleet_prefill,
         "concurrency": args.concurrency,
         "seed": args.seed,
         "max_tokens": REPLY_TOKENS_MAX,
@@ -774,14 +799,17 @@ pub async fn run(args: DemoArgs) -> Result<(), String> {
         return Ok(());
     }
     println!(
-        "kvroute demo: {} engines x {} DP ranks (block {} tokens, {} device blocks per rank), \
-         {} conversations over {} system prompts, {} turns each, concurrency {}, seed {}",
+        "kvroute demo: {} engines x {} DP ranks (block {} tokens, {} device blocks per rank, \
+         {:?} prefill), {} conversations over {} system prompts (popularity Zipf {}), {} turns \
+         each, concurrency {}, seed {}",
         ENGINES,
         DP_SIZE,
         BLOCK_SIZE_TOKENS,
         CAPACITY_BLOCKS,
+        args.fleet_prefill,
         args.conversations,
         args.system_prompts,
+        args.system_prompt_skew,
         args.turns,
         args.concurrency,
         args.seed
@@ -836,9 +864,14 @@ async fn run_external_and_print(router_url: &str, args: &DemoArgs) -> Result<(),
         println!("{doc}");
     } else {
         println!(
-            "kvroute demo workload through {router_url}: {} conversations over {} system prompts, \
-             {} turns each, concurrency {}, seed {}",
-            args.conversations, args.system_prompts, args.turns, args.concurrency, args.seed
+            "kvroute demo workload through {router_url}: {} conversations over {} system prompts \
+             (popularity Zipf {}), {} turns each, concurrency {}, seed {}",
+            args.conversations,
+            args.system_prompts,
+            args.system_prompt_skew,
+            args.turns,
+            args.concurrency,
+            args.seed
         );
         println!(
             "{:<20} {:>9} {:>14} {:>13} {:>10} {:>9} {:>8} {:>13} {:>15}",
@@ -883,6 +916,8 @@ pub fn tiny_workload_args() -> DemoArgs {
         conversations: 4,
         system_prompts: 2,
         turns: 2,
+        system_prompt_skew: 0.0,
+        fleet_prefill: FleetPrefill::Serial,
         concurrency: 2,
         seed: 3,
         policies: vec![],
@@ -924,6 +959,76 @@ mod tests {
         assert_eq!(Balance::default().busiest_rank_share(), 0.0);
     }
 
+    /// Conversations opened per system prompt, most popular first by prompt index.
+    fn prompt_shares(args: &DemoArgs) -> Vec<usize> {
+        let convs = workload(args);
+        let mut prompts: Vec<Arc<String>> = Vec::new();
+        let mut counts: Vec<usize> = Vec::new();
+        for c in &convs {
+            match prompts.iter().position(|p| Arc::ptr_eq(p, &c.system)) {
+                Some(i) => counts[i] += 1,
+                None => {
+                    prompts.push(c.system.clone());
+                    counts.push(1);
+                }
+            }
+        }
+        // Order by the prompt's own index ("You are assistant #i.").
+        let mut indexed: Vec<(usize, usize)> = prompts
+            .iter()
+            .zip(&counts)
+            .map(|(p, &n)| {
+                let i: usize = p["You are assistant #".len()..]
+                    .split('.')
+                    .next()
+                    .and_then(|d| d.parse().ok())
+                    .expect("prompt starts with its index");
+                (i, n)
+            })
+            .collect();
+        indexed.sort();
+        indexed.into_iter().map(|(_, n)| n).collect()
+    }
+
+    #[test]
+    fn skewed_popularity_gives_the_first_prompt_the_largest_share() {
+        let args = DemoArgs {
+            conversations: 960,
+            system_prompts: 8,
+            system_prompt_skew: 1.2,
+            ..tiny_args()
+        };
+        let shares = prompt_shares(&args);
+        let first = shares[0] as f64 / 960.0;
+        // Zipf 1.2 over 8 prompts: the first weighs 1 / sum(1/k^1.2) = 0.43.
+        assert!(
+            (0.36..=0.50).contains(&first),
+            "first prompt opened {first:.2} of the conversations (expected ~0.43): {shares:?}"
+        );
+        assert!(
+            shares.windows(2).filter(|w| w[0] < w[1]).count() <= 2,
+            "shares fall (up to sampling noise) with the prompt's rank: {shares:?}"
+        );
+    }
+
+    #[test]
+    fn zero_skew_draws_prompts_uniformly() {
+        let args = DemoArgs {
+            conversations: 960,
+            system_prompts: 8,
+            system_prompt_skew: 0.0,
+            ..tiny_args()
+        };
+        let shares = prompt_shares(&args);
+        assert_eq!(shares.len(), 8, "every prompt used: {shares:?}");
+        for n in &shares {
+            assert!(
+                (80..=160).contains(n),
+                "uniform draw gives each of 8 prompts ~120 of 960: {shares:?}"
+            );
+        }
+    }
+
     #[test]
     fn balance_since_counts_only_what_was_served_after_the_baseline() {
         let before = Balance {
@@ -952,7 +1057,7 @@ mod tests {
     /// on port 0 in front of a real in-process demo fleet, reached only through their URLs.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn external_mode_drives_a_running_router_and_counts_balance_on_the_engines() {
-        let fleet = kvroute_sim::start_fleet(sim_config())
+        let fleet = kvroute_sim::start_fleet(sim_config(FleetPrefill::Serial))
             .await
             .expect("fleet starts");
         let router = crate::serve(router_config(&fleet, PolicyKind::CacheAware, false, 3))

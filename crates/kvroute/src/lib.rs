@@ -7,13 +7,15 @@
 //! health), [`tokenize`] (tokenizer, chat template, segment cache), [`kv`] (the bridge to the KV
 //! plane and index), [`pending`] (routed-but-unconfirmed prefix blocks), [`policy`] (policies
 //! and the cost model), [`router`] (shared state, planning,
-//! health loop), [`proxy`] (forwarding and streaming), [`server`] (HTTP routes), [`metrics`],
+//! health loop), [`proxy`] (forwarding and streaming), [`server`] (HTTP routes), [`data_plane`]
+//! (the threads serving client connections, each with its own runtime and upstream pool), [`metrics`],
 //! [`readiness`], [`error`], [`demo`]; for peer bootstrap: [`internal`] (the internal listener
 //! and its endpoints), [`snapshot_producer`] (cached single-flight index export),
 //! [`peer_fetch`] (the client that fetches a sibling's snapshot); [`worker_source`] (the static
 //! worker list and Kubernetes engine discovery, both applied through the admin API's path).
 
 pub mod config;
+pub mod data_plane;
 pub mod demo;
 pub mod error;
 pub mod fast_ids;
@@ -59,7 +61,7 @@ pub struct RouterHandle {
     /// Where the internal listener (`/internal/*`) is bound.
     pub internal_addr: SocketAddr,
     pub router: Arc<Router>,
-    join: tokio::task::JoinHandle<()>,
+    data_plane: data_plane::DataPlane,
     internal_join: tokio::task::JoinHandle<()>,
     peer_source: Option<kvroute_peers::PeerSourceHandle>,
     worker_source: Option<worker_source::WorkerSourceTask>,
@@ -80,15 +82,17 @@ impl RouterHandle {
     pub async fn shutdown(self) {
         self.router.shutdown.cancel();
         let grace = Duration::from_millis(self.router.config.shutdown_grace_ms);
-        let aborts = [self.join.abort_handle(), self.internal_join.abort_handle()];
-        let both = futures::future::join(self.join, self.internal_join);
+        let internal_abort = self.internal_join.abort_handle();
+        let mut data_plane_done = self.data_plane.done;
+        let both = futures::future::join(&mut data_plane_done, self.internal_join);
         if tokio::time::timeout(grace, both).await.is_err() {
             tracing::warn!(
                 "graceful shutdown exceeded its grace period; aborting open connections"
             );
-            for a in aborts {
-                a.abort();
-            }
+            internal_abort.abort();
+            // Each data-plane thread then returns and drops its runtime, closing what is open.
+            self.data_plane.hard_stop.cancel();
+            let _ = data_plane_done.await;
         }
         if let Some(peers) = self.peer_source {
             peers.shutdown().await;
@@ -181,22 +185,15 @@ pub async fn serve_with_workers(
             tracing::error!(error = %e, "internal listener stopped with an error");
         }
     });
-    let app = server::app(router.clone());
-    let token = router.shutdown.clone();
-    let join = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app)
-            .with_graceful_shutdown(token.cancelled_owned())
-            .await
-        {
-            tracing::error!(error = %e, "server stopped with an error");
-        }
-    });
-    tracing::info!(%addr, %internal_addr, source = %source_name, "kvroute listening");
+    let threads = data_plane::thread_count(router.config.data_plane_threads);
+    let data_plane = data_plane::start(router.clone(), listener, threads)
+        .map_err(|e| ServeError::Setup(format!("cannot start the data-plane threads: {e}")))?;
+    tracing::info!(%addr, %internal_addr, source = %source_name, data_plane_threads = threads, "kvroute listening");
     Ok(RouterHandle {
         addr,
         internal_addr,
         router,
-        join,
+        data_plane,
         internal_join,
         peer_source,
         worker_source,

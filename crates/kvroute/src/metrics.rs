@@ -18,6 +18,7 @@ pub struct Metrics {
     pub upstream_failures: IntCounterVec,
     pub retries: IntCounterVec,
     pub tokenizer_cache: IntCounterVec,
+    pub data_plane_connections: IntCounterVec,
 }
 
 impl Metrics {
@@ -82,6 +83,13 @@ impl Metrics {
             ),
             &["outcome"],
         )?;
+        let data_plane_connections = IntCounterVec::new(
+            Opts::new(
+                "kvroute_data_plane_connections_total",
+                "Client connections handed to each data-plane thread",
+            ),
+            &["thread"],
+        )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(decisions.clone()))?;
         registry.register(Box::new(routing_latency.clone()))?;
@@ -90,6 +98,7 @@ impl Metrics {
         registry.register(Box::new(upstream_failures.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(tokenizer_cache.clone()))?;
+        registry.register(Box::new(data_plane_connections.clone()))?;
         Ok(Metrics {
             registry,
             requests,
@@ -100,6 +109,7 @@ impl Metrics {
             upstream_failures,
             retries,
             tokenizer_cache,
+            data_plane_connections,
         })
     }
 

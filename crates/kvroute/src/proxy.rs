@@ -152,6 +152,8 @@ pub struct Forward<'a> {
     pub original: Option<bytes::Bytes>,
     pub request_id: &'a str,
     pub plan: &'a RoutePlan,
+    /// The calling data-plane thread's own pool (see [`crate::data_plane`]).
+    pub upstream: &'a crate::upstream::UpstreamClient,
 }
 
 fn upstream_body(fwd: &Forward<'_>, worker: &Worker, dp_rank: u32) -> Result<Bytes, ApiError> {
@@ -234,8 +236,7 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
             upstream_headers.push((REQUEST_ID_HEADER, v.clone()));
         }
         let send =
-            router
-                .upstream
+            fwd.upstream
                 .post_json(&worker.url, fwd.endpoint.path(), &upstream_headers, body);
         match tokio::time::timeout(timeout, send).await {
             Err(_) => {

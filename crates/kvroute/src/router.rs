@@ -42,8 +42,9 @@ pub struct Router {
     pub metrics: Metrics,
     /// Control-plane client (discovery, health checks, peers).
     pub http: reqwest::Client,
-    /// Data-path client: routed requests to engines (see [`crate::upstream`]).
-    pub upstream: crate::upstream::UpstreamClient,
+    /// The runtime the control plane (pump, subscribers, health loop, admin handlers) runs on;
+    /// data-plane threads hand control-plane work to it (see [`crate::data_plane`]).
+    pub control: tokio::runtime::Handle,
     pub tokenizers: TokenizerSet,
     pub shutdown: CancellationToken,
     /// Siblings found by peer discovery (empty and never synced when discovery is off); the
@@ -111,6 +112,11 @@ pub enum RegisterError {
 }
 
 impl Router {
+    /// Connect timeout of the data-path clients (one per data-plane thread).
+    pub fn upstream_connect_timeout_ms(&self) -> u64 {
+        self.config.health_timeout_ms.max(100)
+    }
+
     pub fn new(config: RouterConfig, prom: prometheus::Registry) -> Result<Router, String> {
         let metrics = Metrics::new(prom.clone()).map_err(|e| e.to_string())?;
         let http = reqwest::Client::builder()
@@ -145,7 +151,8 @@ impl Router {
             shutdown: CancellationToken::new(),
             metrics,
             http,
-            upstream: crate::upstream::UpstreamClient::new(config.health_timeout_ms.max(100)),
+            control: tokio::runtime::Handle::try_current()
+                .map_err(|e| format!("the router must be created inside a tokio runtime: {e}"))?,
             config,
         })
     }

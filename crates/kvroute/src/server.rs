@@ -23,6 +23,7 @@ use crate::proxy::{self, Endpoint, Forward, REQUEST_ID_HEADER};
 use crate::readiness::{self, ReadinessGate};
 use crate::registry::ModelGroup;
 use crate::router::{RegisterError, RoutePlan, Router};
+use crate::upstream::UpstreamClient;
 
 /// Longest client-supplied request id propagated as is; longer ones are replaced.
 pub const REQUEST_ID_MAX_BYTES: usize = 128;
@@ -36,6 +37,8 @@ pub const ADMIN_BODY_MAX_BYTES: usize = 64 * 1024;
 pub struct AppState {
     pub router: Arc<Router>,
     pub gates: Arc<Vec<Arc<dyn ReadinessGate>>>,
+    /// The serving thread's own upstream pool (see [`crate::data_plane`]).
+    pub upstream: UpstreamClient,
 }
 
 /// Built-in readiness gate: at least one healthy worker is registered.
@@ -64,24 +67,50 @@ pub fn readiness_gates(router: &Arc<Router>) -> Arc<Vec<Arc<dyn ReadinessGate>>>
     Arc::new(gates)
 }
 
-pub fn app(router: Arc<Router>) -> AxumRouter {
+/// The public listener's routes for one data-plane thread, whose upstream pool is `upstream`.
+///
+/// The inference routes and `/healthz` run on the serving thread. Every other route reads or
+/// changes control-plane state, and registering a worker spawns its KV subscribers: those
+/// handlers run on the control runtime ([`on_control_runtime`]), so nothing long-lived is ever
+/// spawned on a data-plane thread and the data plane stays free of control work.
+pub fn app(router: Arc<Router>, upstream: UpstreamClient) -> AxumRouter {
     let state = AppState {
         gates: readiness_gates(&router),
         router,
+        upstream,
     };
-    AxumRouter::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/generate", post(generate))
+    let control = AxumRouter::new()
         .route("/v1/models", get(models))
         .route("/debug/route", post(debug_route))
         .route("/workers", get(list_workers).post(add_worker))
         .route("/workers/{id}", delete(remove_worker))
-        .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.router.control.clone(),
+            on_control_runtime,
+        ));
+    AxumRouter::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/generate", post(generate))
+        .route("/healthz", get(|| async { "ok" }))
+        .merge(control)
         .fallback(|| async { ApiError::BadRequest("unknown route".into()).into_response() })
         .with_state(state)
+}
+
+/// Runs the rest of the request (the handler) as a task on the control runtime and waits for
+/// it. The request and response cross threads once each; these routes are not latency-bound.
+pub async fn on_control_runtime(
+    State(control): State<tokio::runtime::Handle>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match control.spawn(next.run(request)).await {
+        Ok(response) => response,
+        Err(e) => ApiError::Internal(format!("control-plane handler failed: {e}")).into_response(),
+    }
 }
 
 async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
@@ -128,6 +157,7 @@ async fn proxied(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Body
                 body: prepared.body,
                 request_id: &rid,
                 plan: &plan,
+                upstream: &s.upstream,
             },
         )
         .await

@@ -1,0 +1,248 @@
+//! The data plane: the public listener's connections served on dedicated threads, each running
+//! its own single-threaded tokio runtime with its own upstream connection pool.
+//!
+//! Why not the shared work-stealing runtime: at moderate load (the 1,000 req/s the latency
+//! target is set at) a request through a multi-threaded runtime crosses threads several times:
+//! the client connection's task wakes on one worker, the pooled upstream connection's task may
+//! live on the other, and the scheduler wakes an idle worker to look for work whenever one
+//! becomes runnable. Each crossing is a futex wake of a parked thread, which on a virtual
+//! machine's idle vCPU costs tens of microseconds; `strace -c` showed two futex calls per
+//! request on the old layout and none here (docs/BENCHMARKS.md). Here a connection lives its
+//! whole life on one thread, and the upstream connections its requests use were opened, and
+//! are driven, by that same thread, so a request makes no cross-thread hop at all.
+//!
+//! Shape:
+//! - One acceptor task on the control runtime owns the listening socket and deals accepted
+//!   connections round-robin to the threads (exact balance, unlike `SO_REUSEPORT` hashing,
+//!   and a second process cannot silently join the port). It sets `TCP_NODELAY` on each, which
+//!   `axum::serve` does not do: a response must never wait on Nagle for the previous segment's
+//!   ACK. A hand-off costs one cross-thread wake per CONNECTION, not per request.
+//! - Each thread runs `axum::serve` over a [`HandoffListener`] (the receiving end of its
+//!   bounded hand-off queue) with an app whose state carries the thread's own
+//!   [`UpstreamClient`]. Routes that change or read control-plane state (admin, metrics,
+//!   readiness, model listing) are still served here but their handlers run on the control
+//!   runtime (see `server::on_control_runtime`), so tasks they spawn (KV subscribers, retries)
+//!   never land on a data-plane thread.
+//! - Shutdown: the router's shutdown token stops the acceptor and starts every thread's
+//!   graceful shutdown; `hard_stop` (cancelled by `RouterHandle::shutdown` when the grace period
+//!   runs out) makes each thread return from `block_on`, which drops its runtime and with it
+//!   every connection still open.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::Router;
+use crate::upstream::UpstreamClient;
+
+/// Accepted connections waiting for their thread; beyond it the acceptor waits (back-pressure
+/// on accept instead of an unbounded queue).
+pub const DATA_PLANE_HANDOFF_QUEUE_MAX: usize = 1_024;
+/// Largest number of data-plane threads (a typo such as `--data-plane-threads 10000` is refused).
+pub const DATA_PLANE_THREADS_MAX: usize = 256;
+
+/// How many threads to run for a configured count: 0 means one per available CPU.
+pub fn thread_count(configured: usize) -> usize {
+    if configured == 0 {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .min(DATA_PLANE_THREADS_MAX)
+    } else {
+        configured.min(DATA_PLANE_THREADS_MAX)
+    }
+}
+
+/// The receiving end of one thread's hand-off queue, as `axum::serve` wants a listener.
+pub struct HandoffListener {
+    rx: mpsc::Receiver<std::net::TcpStream>,
+    local_addr: SocketAddr,
+}
+
+impl axum::serve::Listener for HandoffListener {
+    type Io = tokio::net::TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Some(std_stream) = self.rx.recv().await else {
+                // The acceptor is gone (shutdown): no connection will ever come; the serve
+                // loop ends through its graceful-shutdown signal instead.
+                std::future::pending::<()>().await;
+                unreachable!("a pending future never completes");
+            };
+            let peer = std_stream
+                .peer_addr()
+                .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+            // Registers the socket with THIS thread's reactor; it was deregistered from the
+            // acceptor's when it was converted to a std stream.
+            match tokio::net::TcpStream::from_std(std_stream) {
+                Ok(stream) => return (stream, peer),
+                Err(e) => tracing::warn!(error = %e, "cannot adopt an accepted connection"),
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        Ok(self.local_addr)
+    }
+}
+
+/// A running data plane.
+pub struct DataPlane {
+    /// Resolves when every data-plane thread has returned.
+    pub done: tokio::task::JoinHandle<()>,
+    /// Cancelled to make every thread return and drop its runtime (and its open connections).
+    pub hard_stop: CancellationToken,
+}
+
+/// Starts `threads` data-plane threads serving `listener`'s connections, and the acceptor on
+/// the current (control) runtime.
+pub fn start(
+    router: Arc<Router>,
+    listener: tokio::net::TcpListener,
+    threads: usize,
+) -> std::io::Result<DataPlane> {
+    let local_addr = listener.local_addr()?;
+    let threads = threads.clamp(1, DATA_PLANE_THREADS_MAX);
+    let hard_stop = CancellationToken::new();
+    // The threads stop when this sender goes away: on a hard stop, and also when the control
+    // runtime itself is dropped without a shutdown (a test that drops its handle), so a data
+    // plane never outlives the control plane it hands admin calls to.
+    let (lifeline, _) = tokio::sync::watch::channel(());
+    // Every thread holds a clone and drops it when it returns; `done` resolves when all have.
+    // (Not `spawn_blocking` + `join`: a runtime being dropped waits for its blocking tasks,
+    // so a blocked joiner would hang the control runtime's drop.)
+    let (exited_tx, mut exited_rx) = mpsc::channel::<()>(1);
+    let mut senders = Vec::with_capacity(threads);
+    for thread_index in 0..threads {
+        let (tx, rx) = mpsc::channel(DATA_PLANE_HANDOFF_QUEUE_MAX);
+        senders.push(tx);
+        let router = router.clone();
+        let lifeline = lifeline.subscribe();
+        let exited = exited_tx.clone();
+        let listener = HandoffListener { rx, local_addr };
+        std::thread::Builder::new()
+            .name(format!("kvroute-data-{thread_index}"))
+            .spawn(move || {
+                run_thread(router, listener, lifeline);
+                drop(exited);
+            })?;
+    }
+    drop(exited_tx);
+    let per_thread_counters = (0..threads)
+        .map(|i| {
+            router
+                .metrics
+                .data_plane_connections
+                .with_label_values(&[&i.to_string()])
+        })
+        .collect();
+    tokio::spawn(accept_loop(
+        listener,
+        senders,
+        per_thread_counters,
+        router.shutdown.clone(),
+    ));
+    let hard_stop_task = hard_stop.clone();
+    tokio::spawn(async move {
+        let _lifeline = lifeline;
+        hard_stop_task.cancelled().await;
+    });
+    let done = tokio::spawn(async move {
+        // Nothing is ever sent: `None` means every thread has dropped its sender.
+        let _ = exited_rx.recv().await;
+    });
+    Ok(DataPlane { done, hard_stop })
+}
+
+fn run_thread(
+    router: Arc<Router>,
+    listener: HandoffListener,
+    mut lifeline: tokio::sync::watch::Receiver<()>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start a data-plane runtime");
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        // Built inside the runtime so its connections' tasks are spawned here.
+        let upstream = UpstreamClient::new(router.upstream_connect_timeout_ms());
+        let app = crate::server::app(router.clone(), upstream);
+        let shutdown = router.shutdown.clone();
+        let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
+        tokio::select! {
+            result = serve => {
+                if let Err(e) = result {
+                    tracing::error!(error = %e, "a data-plane server stopped with an error");
+                }
+            }
+            // `changed` fails once the sender is gone (hard stop or control runtime dropped).
+            _ = async { while lifeline.changed().await.is_ok() {} } => {}
+        }
+    });
+    // Dropping the runtime here drops every connection task still open (hard stop).
+}
+
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    senders: Vec<mpsc::Sender<std::net::TcpStream>>,
+    per_thread_counters: Vec<prometheus::IntCounter>,
+    shutdown: CancellationToken,
+) {
+    let mut next = 0usize;
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // EMFILE and friends: the kernel keeps the connection queued; back off a little
+                // instead of spinning on the error.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(ACCEPT_ERROR_BACKOFF_MS)) => {}
+                }
+                continue;
+            }
+        };
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY on an accepted connection");
+        }
+        let std_stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot hand an accepted connection over");
+                continue;
+            }
+        };
+        let thread = next % senders.len();
+        next = next.wrapping_add(1);
+        per_thread_counters[thread].inc();
+        let sender = &senders[thread];
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            sent = sender.send(std_stream) => {
+                if sent.is_err() {
+                    // That thread has stopped (it only does at shutdown or on a runtime build
+                    // failure, which it logged); the connection is closed by the drop.
+                    tracing::warn!("a data-plane thread is gone; connection dropped");
+                }
+            }
+        }
+    }
+}
+
+/// Pause after a failed `accept` before trying again.
+const ACCEPT_ERROR_BACKOFF_MS: u64 = 10;
