@@ -959,9 +959,16 @@ mod tests {
         assert_eq!(Balance::default().busiest_rank_share(), 0.0);
     }
 
-    /// Conversations opened per system prompt, most popular first by prompt index.
-    fn prompt_shares(args: &DemoArgs) -> Vec<usize> {
-        let convs = workload(args);
+    /// Conversations opened per system prompt (ordered by the prompt's index) when 960
+    /// conversations draw from 8 prompts with popularity skew `skew`.
+    fn prompt_shares(skew: f64) -> Vec<usize> {
+        let args = DemoArgs {
+            conversations: 960,
+            system_prompts: 8,
+            system_prompt_skew: skew,
+            ..tiny_args()
+        };
+        let convs = workload(&args);
         let mut prompts: Vec<Arc<String>> = Vec::new();
         let mut counts: Vec<usize> = Vec::new();
         for c in &convs {
@@ -992,13 +999,7 @@ mod tests {
 
     #[test]
     fn skewed_popularity_gives_the_first_prompt_the_largest_share() {
-        let args = DemoArgs {
-            conversations: 960,
-            system_prompts: 8,
-            system_prompt_skew: 1.2,
-            ..tiny_args()
-        };
-        let shares = prompt_shares(&args);
+        let shares = prompt_shares(1.2);
         let first = shares[0] as f64 / 960.0;
         // Zipf 1.2 over 8 prompts: the first weighs 1 / sum(1/k^1.2) = 0.43.
         assert!(
@@ -1013,13 +1014,7 @@ mod tests {
 
     #[test]
     fn zero_skew_draws_prompts_uniformly() {
-        let args = DemoArgs {
-            conversations: 960,
-            system_prompts: 8,
-            system_prompt_skew: 0.0,
-            ..tiny_args()
-        };
-        let shares = prompt_shares(&args);
+        let shares = prompt_shares(0.0);
         assert_eq!(shares.len(), 8, "every prompt used: {shares:?}");
         for n in &shares {
             assert!(
