@@ -70,8 +70,7 @@ impl axum::serve::Listener for HandoffListener {
             let Some(std_stream) = self.rx.recv().await else {
                 // The acceptor is gone (shutdown): no connection will ever come; the serve
                 // loop ends through its graceful-shutdown signal instead.
-                std::future::pending::<()>().await;
-                unreachable!("a pending future never completes");
+                match std::future::pending::<std::convert::Infallible>().await {}
             };
             let peer = std_stream
                 .peer_addr()
@@ -116,10 +115,14 @@ pub fn start(
     // (Not `spawn_blocking` + `join`: a runtime being dropped waits for its blocking tasks,
     // so a blocked joiner would hang the control runtime's drop.)
     let (exited_tx, mut exited_rx) = mpsc::channel::<()>(1);
-    let mut senders = Vec::with_capacity(threads);
+    let mut handoffs = Vec::with_capacity(threads);
     for thread_index in 0..threads {
         let (tx, rx) = mpsc::channel(DATA_PLANE_HANDOFF_QUEUE_MAX);
-        senders.push(tx);
+        let connections = router
+            .metrics
+            .data_plane_connections
+            .with_label_values(&[&thread_index.to_string()]);
+        handoffs.push(Handoff { tx, connections });
         let router = router.clone();
         let lifeline = lifeline.subscribe();
         let exited = exited_tx.clone();
@@ -132,20 +135,7 @@ pub fn start(
             })?;
     }
     drop(exited_tx);
-    let per_thread_counters = (0..threads)
-        .map(|i| {
-            router
-                .metrics
-                .data_plane_connections
-                .with_label_values(&[&i.to_string()])
-        })
-        .collect();
-    tokio::spawn(accept_loop(
-        listener,
-        senders,
-        per_thread_counters,
-        router.shutdown.clone(),
-    ));
+    tokio::spawn(accept_loop(listener, handoffs, router.shutdown.clone()));
     let hard_stop_task = hard_stop.clone();
     tokio::spawn(async move {
         let _lifeline = lifeline;
@@ -192,10 +182,16 @@ fn run_thread(
     // Dropping the runtime here drops every connection task still open (hard stop).
 }
 
+/// The acceptor's side of one data-plane thread.
+struct Handoff {
+    tx: mpsc::Sender<std::net::TcpStream>,
+    /// `kvroute_data_plane_connections_total{thread}` of this thread.
+    connections: prometheus::IntCounter,
+}
+
 async fn accept_loop(
     listener: tokio::net::TcpListener,
-    senders: Vec<mpsc::Sender<std::net::TcpStream>>,
-    per_thread_counters: Vec<prometheus::IntCounter>,
+    handoffs: Vec<Handoff>,
     shutdown: CancellationToken,
 ) {
     let mut next = 0usize;
@@ -227,13 +223,12 @@ async fn accept_loop(
                 continue;
             }
         };
-        let thread = next % senders.len();
+        let handoff = &handoffs[next % handoffs.len()];
         next = next.wrapping_add(1);
-        per_thread_counters[thread].inc();
-        let sender = &senders[thread];
+        handoff.connections.inc();
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            sent = sender.send(std_stream) => {
+            sent = handoff.tx.send(std_stream) => {
                 if sent.is_err() {
                     // That thread has stopped (it only does at shutdown or on a runtime build
                     // failure, which it logged); the connection is closed by the drop.

@@ -722,6 +722,20 @@ pub fn cache_aware_to_oracle_hit_rate(results: &[PolicyResult]) -> Option<f64> {
 }
 
 /// The workload's parameters and the in-process fleet's shape, as printed and put in JSON.
+/// One line describing the workload, printed above both the in-process and the external table.
+fn workload_summary(args: &DemoArgs) -> String {
+    format!(
+        "{} conversations over {} system prompts (popularity Zipf {}), {} turns each, \
+         concurrency {}, seed {}",
+        args.conversations,
+        args.system_prompts,
+        args.system_prompt_skew,
+        args.turns,
+        args.concurrency,
+        args.seed
+    )
+}
+
 fn workload_json(args: &DemoArgs) -> Value {
     json!({
         "conversations": args.conversations,
@@ -800,19 +814,13 @@ pub async fn run(args: DemoArgs) -> Result<(), String> {
     }
     println!(
         "kvroute demo: {} engines x {} DP ranks (block {} tokens, {} device blocks per rank, \
-         {:?} prefill), {} conversations over {} system prompts (popularity Zipf {}), {} turns \
-         each, concurrency {}, seed {}",
+         {:?} prefill), {}",
         ENGINES,
         DP_SIZE,
         BLOCK_SIZE_TOKENS,
         CAPACITY_BLOCKS,
         args.fleet_prefill,
-        args.conversations,
-        args.system_prompts,
-        args.system_prompt_skew,
-        args.turns,
-        args.concurrency,
-        args.seed
+        workload_summary(&args)
     );
     let total_started = Instant::now();
     let results = run_policies(&args).await?;
@@ -864,14 +872,8 @@ async fn run_external_and_print(router_url: &str, args: &DemoArgs) -> Result<(),
         println!("{doc}");
     } else {
         println!(
-            "kvroute demo workload through {router_url}: {} conversations over {} system prompts \
-             (popularity Zipf {}), {} turns each, concurrency {}, seed {}",
-            args.conversations,
-            args.system_prompts,
-            args.system_prompt_skew,
-            args.turns,
-            args.concurrency,
-            args.seed
+            "kvroute demo workload through {router_url}: {}",
+            workload_summary(args)
         );
         println!(
             "{:<20} {:>9} {:>14} {:>13} {:>10} {:>9} {:>8} {:>13} {:>15}",

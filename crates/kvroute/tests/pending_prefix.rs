@@ -29,6 +29,21 @@ async fn slow_serial_fleet() -> kvroute_sim::Fleet {
     kvroute_sim::start_fleet(cfg).await.expect("fleet starts")
 }
 
+/// A router over `fleet` (one engine, 2 DP ranks) with pending prefixes kept `pending_ttl_ms`
+/// (`None`: the default), returned once both ranks' KV subscribers are connected.
+async fn subscribed_router(
+    fleet: &kvroute_sim::Fleet,
+    pending_ttl_ms: Option<u64>,
+) -> kvroute::RouterHandle {
+    let mut cfg = router_config(&urls(fleet));
+    if let Some(ttl) = pending_ttl_ms {
+        cfg.pending_prefix_ttl_ms = ttl;
+    }
+    let router = kvroute::serve(cfg).await.expect("router starts");
+    wait_subscribed(&router.url(), 2).await;
+    router
+}
+
 fn prompt(blocks: usize, block: usize, base: u32) -> Vec<u32> {
     (0..(blocks * block) as u32).map(|t| base + t).collect()
 }
@@ -136,9 +151,8 @@ async fn same_prefix_while_first_prefills(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_concurrent_requests_with_the_same_uncached_prefix_go_to_the_same_rank() {
     let fleet = slow_serial_fleet().await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let router = subscribed_router(&fleet, None).await;
     let base = router.url();
-    wait_subscribed(&base, 2).await;
     let block = fleet.engines[0].block_size();
     let (first, (status, body, second)) =
         same_prefix_while_first_prefills(&base, block, true).await;
@@ -171,14 +185,8 @@ async fn two_concurrent_requests_with_the_same_uncached_prefix_go_to_the_same_ra
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ttl_of_zero_disables_pending_prefixes() {
     let fleet = slow_serial_fleet().await;
-    let router = kvroute::serve(kvroute::RouterConfig {
-        pending_prefix_ttl_ms: 0,
-        ..router_config(&urls(&fleet))
-    })
-    .await
-    .unwrap();
+    let router = subscribed_router(&fleet, Some(0)).await;
     let base = router.url();
-    wait_subscribed(&base, 2).await;
     let block = fleet.engines[0].block_size();
     let (_, (status, body, second)) = same_prefix_while_first_prefills(&base, block, false).await;
     assert_eq!(status, 200, "{body}");
@@ -198,14 +206,8 @@ async fn a_ttl_of_zero_disables_pending_prefixes() {
 async fn after_the_ttl_pending_blocks_expire_and_routing_follows_the_index_again() {
     const TTL_MS: u64 = 1_000;
     let fleet = fleet(1, 2, "m").await;
-    let router = kvroute::serve(kvroute::RouterConfig {
-        pending_prefix_ttl_ms: TTL_MS,
-        ..router_config(&urls(&fleet))
-    })
-    .await
-    .unwrap();
+    let router = subscribed_router(&fleet, Some(TTL_MS)).await;
     let base = router.url();
-    wait_subscribed(&base, 2).await;
     let block = fleet.engines[0].block_size();
     let url = fleet.engines[0].http_url();
     let p = prompt(6, block, 3_000);
@@ -261,9 +263,8 @@ async fn after_the_ttl_pending_blocks_expire_and_routing_follows_the_index_again
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pending_entries_stay_bounded_under_a_stream_of_distinct_long_prompts() {
     let fleet = fleet(1, 2, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let router = subscribed_router(&fleet, None).await;
     let base = router.url();
-    wait_subscribed(&base, 2).await;
     let block = fleet.engines[0].block_size();
     let r = router.router.clone();
     let group = r.registry.model("m").unwrap();
