@@ -72,6 +72,13 @@ pub struct CostWeights {
     pub offloaded_block_cost_fraction: f64,
     /// Softmax temperature over the cost in milliseconds; 0 picks the argmin.
     pub temperature_ms: f64,
+    /// Bounded-load guard: a rank whose in-flight requests (this one included) would exceed
+    /// `load_bound_factor` x the fleet's mean plus `load_bound_slack_requests` is not chosen
+    /// first while another rank is within the bound, whatever its cache. 0 = no guard.
+    pub load_bound_factor: f64,
+    /// Requests a rank may carry above `load_bound_factor` x the mean (affinity is free at low
+    /// load: two requests sharing a prefix should still land together).
+    pub load_bound_slack_requests: f64,
 }
 
 impl Default for CostWeights {
@@ -81,9 +88,24 @@ impl Default for CostWeights {
             decode_penalty_us_per_request: 2_000.0,
             offloaded_block_cost_fraction: 0.3,
             temperature_ms: 0.0,
+            load_bound_factor: DEFAULT_LOAD_BOUND_FACTOR,
+            load_bound_slack_requests: DEFAULT_LOAD_BOUND_SLACK_REQUESTS,
         }
     }
 }
+
+/// Default bounded-load factor: a rank may carry twice the mean in-flight load (plus the slack)
+/// before the cache stops being allowed to pull more work onto it. Chosen on the demo's mixed
+/// load (docs/BENCHMARKS.md): 2.0 removed the herding rounds and kept the median hit rate; 1.5
+/// also removed them but cost hit rate.
+pub const DEFAULT_LOAD_BOUND_FACTOR: f64 = 2.0;
+/// Default slack of the bound, in requests: at low load two or three requests sharing a prefix
+/// still land together.
+pub const DEFAULT_LOAD_BOUND_SLACK_REQUESTS: f64 = 2.0;
+/// Largest accepted `--load-bound-factor` (beyond it the guard can never act).
+pub const LOAD_BOUND_FACTOR_MAX: f64 = 1_000.0;
+/// Largest accepted `--load-bound-slack-requests`.
+pub const LOAD_BOUND_SLACK_REQUESTS_MAX: f64 = 1_000_000.0;
 
 /// KV settings for engines that do not advertise them in `/server_info` (vLLM).
 #[derive(Debug, Clone, Default)]
@@ -402,6 +424,14 @@ pub struct ServeArgs {
     /// Softmax temperature in milliseconds of estimated TTFT; 0 = always the cheapest rank.
     #[arg(long, env = "KVROUTE_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f64,
+    /// Bounded-load guard of cache_aware: a rank whose in-flight requests would exceed this
+    /// factor x the fleet's mean (plus --load-bound-slack-requests) is not chosen first while
+    /// another rank is within the bound, however much of the prompt it holds. 0 = off.
+    #[arg(long, env = "KVROUTE_LOAD_BOUND_FACTOR", default_value_t = DEFAULT_LOAD_BOUND_FACTOR)]
+    pub load_bound_factor: f64,
+    /// Requests a rank may carry above --load-bound-factor x the mean.
+    #[arg(long, env = "KVROUTE_LOAD_BOUND_SLACK_REQUESTS", default_value_t = DEFAULT_LOAD_BOUND_SLACK_REQUESTS)]
+    pub load_bound_slack_requests: f64,
     /// How long (ms) a routed request's prompt blocks count as cached on the chosen rank until
     /// the engine's KV events confirm them; same-prefix requests arriving meanwhile follow it.
     /// 0 disables.
@@ -481,6 +511,16 @@ impl ServeArgs {
         if self.temperature < 0.0 || !self.temperature.is_finite() {
             return Err("--temperature must be a finite number >= 0".into());
         }
+        if !(0.0..=LOAD_BOUND_FACTOR_MAX).contains(&self.load_bound_factor) {
+            return Err(format!(
+                "--load-bound-factor must be within 0..={LOAD_BOUND_FACTOR_MAX} (0 = off)"
+            ));
+        }
+        if !(0.0..=LOAD_BOUND_SLACK_REQUESTS_MAX).contains(&self.load_bound_slack_requests) {
+            return Err(format!(
+                "--load-bound-slack-requests must be within 0..={LOAD_BOUND_SLACK_REQUESTS_MAX}"
+            ));
+        }
         let internal_auth_token = self
             .internal_auth_token_file
             .as_deref()
@@ -503,6 +543,8 @@ impl ServeArgs {
                 decode_penalty_us_per_request: self.decode_penalty_us_per_request,
                 offloaded_block_cost_fraction: self.offloaded_block_cost_fraction,
                 temperature_ms: self.temperature,
+                load_bound_factor: self.load_bound_factor,
+                load_bound_slack_requests: self.load_bound_slack_requests,
             },
             tokenizer_path: self.tokenizer_path,
             model_tokenizers,
@@ -611,6 +653,43 @@ mod tests {
             .err()
             .expect("--service-discovery without a selector is refused");
         assert!(err.contains("--selector"), "{err}");
+    }
+
+    #[test]
+    fn load_bound_flags_fill_the_weights_and_out_of_range_values_are_refused() {
+        let cfg = Cli::parse_from(["kvroute"]).serve.into_config().unwrap();
+        assert_eq!(cfg.weights.load_bound_factor, DEFAULT_LOAD_BOUND_FACTOR);
+        assert_eq!(
+            cfg.weights.load_bound_slack_requests,
+            DEFAULT_LOAD_BOUND_SLACK_REQUESTS
+        );
+        let cfg = Cli::parse_from([
+            "kvroute",
+            "--load-bound-factor",
+            "0",
+            "--load-bound-slack-requests",
+            "5",
+        ])
+        .serve
+        .into_config()
+        .unwrap();
+        assert_eq!(cfg.weights.load_bound_factor, 0.0);
+        assert_eq!(cfg.weights.load_bound_slack_requests, 5.0);
+        for (flag, bad) in [
+            ("--load-bound-factor", "-1"),
+            ("--load-bound-factor", "NaN"),
+            ("--load-bound-factor", "1e9"),
+            ("--load-bound-slack-requests", "-0.5"),
+            ("--load-bound-slack-requests", "inf"),
+        ] {
+            let arg = format!("{flag}={bad}");
+            let err = Cli::parse_from(["kvroute", arg.as_str()])
+                .serve
+                .into_config()
+                .err()
+                .unwrap_or_else(|| panic!("{flag} {bad} accepted"));
+            assert!(err.contains(flag), "{flag} {bad}: {err}");
+        }
     }
 
     #[test]

@@ -25,6 +25,13 @@
 //! With `temperature_ms = 0` the cheapest rank wins (exact ties broken at random so equal cold
 //! ranks share load); otherwise a rank is drawn with probability proportional to
 //! `exp(-(cost_ms - min_cost_ms) / temperature_ms)`.
+//!
+//! Bounded-load guard (see [`within_load_bound`]): before that choice, ranks whose in-flight
+//! requests (this one included) exceed `load_bound_factor` x the mean per rank plus
+//! `load_bound_slack_requests` are set aside while any rank is within the bound; they stay in
+//! the order as retry targets. The guard exists because the cost model's errors on a rank under
+//! cache pressure reinforce themselves (see the function's comment); it never decides among
+//! ranks that are all within it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -142,11 +149,19 @@ impl Policy {
         let mut rng = self.rng.lock();
         let (order, reason) = match self.kind {
             PolicyKind::CacheAware => {
-                let first = self.pick_cache_aware(&mut scores, &mut rng);
+                let within = within_load_bound(ranks, &self.weights);
+                let first = self.pick_cache_aware(&mut scores, &within, &mut rng);
                 let order = order_with_first(first, n, |i| scores[i].cost_ms);
                 let best_match = ranks.iter().map(|r| r.matched_blocks).max().unwrap_or(0);
+                let cheapest = scores
+                    .iter()
+                    .map(|s| s.cost_ms)
+                    .fold(f64::INFINITY, f64::min);
                 let reason = if prompt_tokens == 0 {
                     "no_tokens"
+                } else if scores[first].cost_ms > cheapest && !within.iter().all(|&w| w) {
+                    // A cheaper rank exists but is over the load bound.
+                    "load_bound"
                 } else if best_match == 0 {
                     "cold"
                 } else if ranks[first].matched_blocks == best_match {
@@ -207,16 +222,24 @@ impl Policy {
         }
     }
 
-    /// Fills in probabilities and draws the first choice.
-    fn pick_cache_aware(&self, scores: &mut [RankScore], rng: &mut StdRng) -> usize {
-        let min = scores
-            .iter()
-            .map(|s| s.cost_ms)
+    /// Fills in probabilities and draws the first choice among the ranks `within` the load
+    /// bound (all of them when none is).
+    fn pick_cache_aware(
+        &self,
+        scores: &mut [RankScore],
+        within: &[bool],
+        rng: &mut StdRng,
+    ) -> usize {
+        let any_within = within.iter().any(|&w| w);
+        let eligible = |i: usize| !any_within || within[i];
+        let min = (0..scores.len())
+            .filter(|&i| eligible(i))
+            .map(|i| scores[i].cost_ms)
             .fold(f64::INFINITY, f64::min);
         let t = self.weights.temperature_ms;
         if t <= 0.0 {
             let ties: Vec<usize> = (0..scores.len())
-                .filter(|&i| scores[i].cost_ms <= min)
+                .filter(|&i| eligible(i) && scores[i].cost_ms <= min)
                 .collect();
             for &i in &ties {
                 scores[i].probability = 1.0 / ties.len() as f64;
@@ -224,8 +247,12 @@ impl Policy {
             return ties[rng.random_range(0..ties.len())];
         }
         let mut total = 0.0;
-        for s in scores.iter_mut() {
-            s.probability = (-(s.cost_ms - min) / t).exp();
+        for (i, s) in scores.iter_mut().enumerate() {
+            s.probability = if eligible(i) {
+                (-(s.cost_ms - min) / t).exp()
+            } else {
+                0.0
+            };
             total += s.probability;
         }
         for s in scores.iter_mut() {
@@ -240,6 +267,29 @@ impl Policy {
         }
         scores.len() - 1
     }
+}
+
+/// Which ranks may be chosen first under the bounded-load guard: a rank is within the bound when
+/// its in-flight requests plus this one stay at or below `load_bound_factor` x the mean in-flight
+/// per rank (this request counted) plus `load_bound_slack_requests`. All true when the guard is
+/// off.
+///
+/// Why a guard on top of the cost model: the model's queue estimate is a prediction, and on an
+/// engine under cache pressure it errs in the direction that feeds itself: the prefix a rank
+/// holds at routing time is evicted by the work queued ahead before the request's turn comes, so
+/// the rank is slower than predicted exactly when it is most attractive. A conversation's
+/// growing history then ties it ever harder to that rank, and a popular tenant ends up on one
+/// rank (what both peers' cache_aware do to a mixed load). Bounding each rank's share of the
+/// in-flight work relative to the mean (consistent hashing with bounded loads, Mirrokni et al.)
+/// caps that failure whatever its cause, and leaves the cost model in charge everywhere else.
+pub fn within_load_bound(ranks: &[RankInput], w: &CostWeights) -> Vec<bool> {
+    if w.load_bound_factor <= 0.0 || ranks.len() < 2 {
+        return vec![true; ranks.len()];
+    }
+    let loads: Vec<f64> = ranks.iter().map(RankInput::effective_in_flight).collect();
+    let mean_with_this = (loads.iter().sum::<f64>() + 1.0) / ranks.len() as f64;
+    let bound = w.load_bound_factor * mean_with_this + w.load_bound_slack_requests.max(0.0);
+    loads.iter().map(|&l| l + 1.0 <= bound).collect()
 }
 
 /// `first`, then every other index by ascending `key`.
@@ -270,6 +320,75 @@ mod tests {
 
     fn policy(kind: PolicyKind) -> Policy {
         Policy::new(kind, CostWeights::default(), Some(1))
+    }
+
+    fn loaded(matched: u32, in_flight: i64) -> RankInput {
+        RankInput {
+            in_flight,
+            ..idle(matched)
+        }
+    }
+
+    fn guarded(factor: f64, slack: f64) -> Policy {
+        let weights = CostWeights {
+            load_bound_factor: factor,
+            load_bound_slack_requests: slack,
+            ..CostWeights::default()
+        };
+        Policy::new(PolicyKind::CacheAware, weights, Some(1))
+    }
+
+    #[test]
+    fn the_load_bound_sends_work_away_from_a_cached_rank_past_its_share() {
+        // A 4,096-token prompt fully cached on rank 0, which carries 10 requests: by the cost
+        // model alone (10 x 2 ms against 4,096 x 50 us of prefill) rank 0 still wins.
+        let ranks = [loaded(256, 10), idle(0), idle(0), idle(0)];
+        let unguarded = guarded(0.0, 0.0).decide(&ranks, 4096, 16);
+        assert_eq!(unguarded.order[0], 0);
+        assert_eq!(unguarded.reason, "cache_hit");
+        // Mean with this request 11/4; bound 2 x 2.75 + 2 = 7.5 < 11: rank 0 is out.
+        assert_eq!(
+            within_load_bound(&ranks, &guarded(2.0, 2.0).weights),
+            vec![false, true, true, true]
+        );
+        let d = guarded(2.0, 2.0).decide(&ranks, 4096, 16);
+        assert_ne!(d.order[0], 0, "scores {:?}", d.scores);
+        assert_eq!(d.reason, "load_bound");
+        assert_eq!(d.scores[0].probability, 0.0);
+        assert!(
+            d.order.contains(&0),
+            "the bounded rank stays a retry target"
+        );
+    }
+
+    #[test]
+    fn at_low_load_the_bound_leaves_affinity_alone() {
+        // Rank 0 holds the prefix and carries 2 requests: mean with this one 3/4, bound
+        // 2 x 0.75 + 2 = 3.5 >= 3, so requests sharing a prefix still land together.
+        let ranks = [loaded(8, 2), idle(0), idle(0), idle(0)];
+        assert!(within_load_bound(&ranks, &guarded(2.0, 2.0).weights)[0]);
+        let d = guarded(2.0, 2.0).decide(&ranks, 128, 16);
+        assert_eq!(d.order[0], 0);
+        assert_eq!(d.reason, "cache_hit");
+    }
+
+    #[test]
+    fn when_no_rank_is_within_the_bound_the_cost_model_decides_alone() {
+        // A factor below 1 with no slack can put every rank over the bound; the guard then
+        // steps aside instead of refusing to route.
+        let ranks = [loaded(8, 5), loaded(0, 5)];
+        assert_eq!(
+            within_load_bound(&ranks, &guarded(0.5, 0.0).weights),
+            vec![false, false]
+        );
+        let d = guarded(0.5, 0.0).decide(&ranks, 128, 16);
+        assert_eq!(d.order[0], 0);
+        assert_eq!(d.reason, "cache_hit");
+        // A single rank is always within its own bound.
+        assert_eq!(
+            within_load_bound(&[loaded(0, 50)], &guarded(2.0, 0.0).weights),
+            vec![true]
+        );
     }
 
     #[test]

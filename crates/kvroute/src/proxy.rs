@@ -219,13 +219,19 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
                 .inc();
         }
         let body = upstream_body(&fwd, worker, cand.dp_rank)?;
-        let gauge = router
-            .metrics
-            .in_flight
-            .with_label_values(&[&worker.url, &cand.dp_rank.to_string()]);
+        let rank = &worker.ranks[cand.dp_rank as usize];
+        let gauge = rank
+            .in_flight_gauge
+            .get_or_init(|| {
+                router
+                    .metrics
+                    .in_flight
+                    .with_label_values(&[&worker.url, &cand.dp_rank.to_string()])
+            })
+            .clone();
         let uncached = plan.decision.scores[idx].uncached_tokens as i64;
         let guard = LoadGuard::acquire(
-            worker.ranks[cand.dp_rank as usize].clone(),
+            rank.clone(),
             gauge,
             uncached,
             (uncached.max(0) as f64 * router.policy.weights.prefill_cost_us_per_token) as u64,

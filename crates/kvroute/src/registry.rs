@@ -38,6 +38,9 @@ pub struct RankLoad {
     /// arriving 50 ms into a 57 ms prefill was charged 57 ms of waiting; the backlog decays as
     /// time passes, and the cost model takes the smaller of the two estimates.
     pub prefill_busy_until_us: AtomicU64,
+    /// This rank's `kvroute_in_flight_requests` series, looked up by its labels once (first
+    /// dispatch) instead of formatting and hashing them on every attempt.
+    pub in_flight_gauge: std::sync::OnceLock<prometheus::IntGauge>,
 }
 
 /// Microseconds on the router's monotonic clock (its zero is the clock's first use).
