@@ -76,8 +76,8 @@ pub struct CostWeights {
     /// `load_bound_factor` x the fleet's mean plus `load_bound_slack_requests` is not chosen
     /// first while another rank is within the bound, whatever its cache. 0 = no guard.
     pub load_bound_factor: f64,
-    /// Requests a rank may carry above `load_bound_factor` x the mean (affinity is free at low
-    /// load: two requests sharing a prefix should still land together).
+    /// Requests a rank may carry above `load_bound_factor` x the mean (affinity is nearly free at
+    /// low load: a second request sharing a prefix should still land with the first).
     pub load_bound_slack_requests: f64,
 }
 
@@ -99,8 +99,9 @@ impl Default for CostWeights {
 /// load (docs/BENCHMARKS.md): 2.0 removed the herding rounds and kept the median hit rate; 1.5
 /// also removed them but cost hit rate.
 pub const DEFAULT_LOAD_BOUND_FACTOR: f64 = 2.0;
-/// Default slack of the bound, in requests: at low load two or three requests sharing a prefix
-/// still land together.
+/// Default slack of the bound, in requests: on an idle fleet a rank can still take a second
+/// request sharing its prefix (with 8 ranks a third waits until the fleet's mean load rises),
+/// so light traffic keeps its affinity and the guard acts only on real imbalance.
 pub const DEFAULT_LOAD_BOUND_SLACK_REQUESTS: f64 = 2.0;
 /// Largest accepted `--load-bound-factor` (beyond it the guard can never act).
 pub const LOAD_BOUND_FACTOR_MAX: f64 = 1_000.0;

@@ -82,6 +82,9 @@ pub struct RankScore {
     pub uncached_tokens: f64,
     pub cost_ms: f64,
     pub probability: f64,
+    /// False when cache_aware's bounded-load guard set the rank aside for the first choice
+    /// (see [`within_load_bound`]); always true for the other policies.
+    pub within_load_bound: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -121,6 +124,7 @@ pub fn score(
         uncached_tokens: uncached,
         cost_ms: cost_us / 1000.0,
         probability: 0.0,
+        within_load_bound: true,
     }
 }
 
@@ -150,6 +154,9 @@ impl Policy {
         let (order, reason) = match self.kind {
             PolicyKind::CacheAware => {
                 let within = within_load_bound(ranks, &self.weights);
+                for (s, &w) in scores.iter_mut().zip(&within) {
+                    s.within_load_bound = w;
+                }
                 let first = self.pick_cache_aware(&mut scores, &within, &mut rng);
                 let order = order_with_first(first, n, |i| scores[i].cost_ms);
                 let best_match = ranks.iter().map(|r| r.matched_blocks).max().unwrap_or(0);
@@ -355,6 +362,7 @@ mod tests {
         assert_ne!(d.order[0], 0, "scores {:?}", d.scores);
         assert_eq!(d.reason, "load_bound");
         assert_eq!(d.scores[0].probability, 0.0);
+        assert!(!d.scores[0].within_load_bound && d.scores[1].within_load_bound);
         assert!(
             d.order.contains(&0),
             "the bounded rank stays a retry target"
@@ -370,6 +378,13 @@ mod tests {
         let d = guarded(2.0, 2.0).decide(&ranks, 128, 16);
         assert_eq!(d.order[0], 0);
         assert_eq!(d.reason, "cache_hit");
+        // On an idle fleet of 8 a rank takes a second request (bound 2 x 2/8 + 2 = 2.5 >= 2) but
+        // not a third (2 x 3/8 + 2 = 2.75 < 3), as the slack's documentation says.
+        let mut eight = vec![idle(0); 8];
+        eight[0] = loaded(8, 1);
+        assert!(within_load_bound(&eight, &guarded(2.0, 2.0).weights)[0]);
+        eight[0] = loaded(8, 2);
+        assert!(!within_load_bound(&eight, &guarded(2.0, 2.0).weights)[0]);
     }
 
     #[test]

@@ -37,6 +37,8 @@ async fn a_prompt_whose_prefix_is_stored_on_a_rank_is_routed_to_that_rank() {
     .await;
     assert_eq!(scored["reason"], "cache_hit", "{scored}");
     for r in scored["ranks"].as_array().unwrap() {
+        // An idle fleet: no rank is over the bounded-load guard.
+        assert_eq!(r["within_load_bound"], true, "{r}");
         if !(r["url"] == target_url.as_str() && r["dp_rank"] == 1) {
             assert_eq!(
                 r["matched_blocks"], 0,
