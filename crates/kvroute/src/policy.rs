@@ -160,14 +160,14 @@ impl Policy {
                 let first = self.pick_cache_aware(&mut scores, &within, &mut rng);
                 let order = order_with_first(first, n, |i| scores[i].cost_ms);
                 let best_match = ranks.iter().map(|r| r.matched_blocks).max().unwrap_or(0);
-                let cheapest = scores
-                    .iter()
-                    .map(|s| s.cost_ms)
-                    .fold(f64::INFINITY, f64::min);
+                let cheapest_set_aside = (0..n).any(|i| {
+                    !within[i] && scores[i].cost_ms < scores[first].cost_ms
+                });
                 let reason = if prompt_tokens == 0 {
                     "no_tokens"
-                } else if scores[first].cost_ms > cheapest && !within.iter().all(|&w| w) {
-                    // A cheaper rank exists but is over the load bound.
+                } else if cheapest_set_aside && within[first] {
+                    // A cheaper rank exists but the guard set it aside (when every rank is
+                    // over the bound the guard stepped aside and `within[first]` is false).
                     "load_bound"
                 } else if best_match == 0 {
                     "cold"
