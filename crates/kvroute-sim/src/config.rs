@@ -114,7 +114,8 @@ pub struct SimConfig {
     /// Prefill one request at a time per DP rank (a real engine's forward pass is shared by
     /// everything it batches, so concurrent prefills on one rank slow each other down). Off by
     /// default: each running request's prefill then proceeds independently of the others, so a
-    /// rank's load costs a new request nothing until `--max-running` is reached.
+    /// rank's load costs a new request nothing until `--max-running` is reached. With it on, a
+    /// request queued for its prefill turn is reported as waiting, not running (as SGLang does).
     #[arg(long, default_value_t = false)]
     pub prefill_serial: bool,
     /// Fixed scheduling overhead per request before the first token.

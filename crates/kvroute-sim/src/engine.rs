@@ -2,7 +2,8 @@
 //! the scheduler (a slot semaphore per rank) and the timing model.
 //!
 //! A request's life, as in SGLang/vLLM: pick a rank (the router's hint, else least loaded), wait
-//! for a running slot (and, with `--prefill-serial`, for the rank's single prefill turn), match
+//! for a running slot (and, with `--prefill-serial`, for the rank's single prefill turn; until
+//! both are granted the request counts as waiting in the load stats, then as running), match
 //! the prompt against the rank's cache (cached tokens), spend the prefill time on the uncached
 //! part, then insert the prompt's blocks and publish the resulting events as ONE batch (the
 //! engine's scheduler step), then decode at a fixed cost per token.
@@ -277,28 +278,28 @@ impl Engine {
     /// announced when this returns.
     pub async fn prefill(&self, rank: usize, tokens: &[u32]) -> Prefilled {
         let r = self.ranks[rank].clone();
-        let permit = {
-            r.waiting.fetch_add(1, Ordering::Relaxed);
-            r.load_changed.notify_one();
-            let _waiting = WaitingGuard(&r);
-            // The semaphore is never closed, so acquire cannot fail.
-            let permit = r.slots.clone().acquire_owned().await;
-            r.running.fetch_add(1, Ordering::Relaxed);
-            permit
+        r.waiting.fetch_add(1, Ordering::Relaxed);
+        r.load_changed.notify_one();
+        let waiting = WaitingGuard(&r);
+        // The semaphore is never closed, so acquire cannot fail.
+        let permit = r.slots.clone().acquire_owned().await;
+        // Taken before matching, so a request that waited for its turn sees the blocks the
+        // previous prefill on this rank just inserted. Until it has its turn the request is
+        // still WAITING, as in SGLang, whose running count is the batch being computed: a
+        // request queued behind another prompt's prefill is not running yet.
+        let _turn = if self.cfg.prefill_serial {
+            Some(r.prefill_turn.lock().await)
+        } else {
+            None
         };
+        drop(waiting);
+        r.running.fetch_add(1, Ordering::Relaxed);
         let slot = SlotGuard {
             rank: r.clone(),
             _permit: permit.expect("slot semaphore is never closed"),
         };
         r.load_changed.notify_one();
 
-        // Taken before matching, so a request that waited for its turn sees the blocks the
-        // previous prefill on this rank just inserted.
-        let _turn = if self.cfg.prefill_serial {
-            Some(r.prefill_turn.lock().await)
-        } else {
-            None
-        };
         r.prefilling.fetch_add(1, Ordering::Relaxed);
         let _prefilling = PrefillingGuard(&r);
         let bs = self.cfg.block_size;

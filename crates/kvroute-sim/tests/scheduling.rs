@@ -103,10 +103,17 @@ async fn a_streaming_client_that_disconnects_releases_its_running_slot() {
     fleet.shutdown().await;
 }
 
+/// What was seen on one rank while two uncached prompts sent at once were both inside it.
+struct Overlap {
+    most_prefilling: usize,
+    most_running: u64,
+    most_waiting: u64,
+}
+
 /// Two uncached prompts sent at once to the same rank: with `--prefill-serial` only one is ever
-/// in its prefill phase (the other waits for its turn while holding a running slot); without
-/// it both prefill at the same time.
-async fn max_concurrent_prefills_on_one_rank(prefill_serial: bool) -> usize {
+/// in its prefill phase (the other waits for its turn, counted as waiting); without it both
+/// prefill, and run, at the same time.
+async fn overlap_on_one_rank(prefill_serial: bool) -> Overlap {
     let fleet = fleet(SimConfig {
         instant: false,
         overhead_us: 0,
@@ -130,30 +137,56 @@ async fn max_concurrent_prefills_on_one_rank(prefill_serial: bool) -> usize {
         })
     };
     let (a, b) = (send(1), send(100));
+    let in_engine = |s: &kvroute_wire::LoadStat| s.num_running_reqs + s.num_waiting_reqs;
     wait_until(
-        "both requests admitted to running slots",
-        async || e.engine().load_stat(0).num_running_reqs,
-        |n| *n == 2,
+        "both requests inside the engine (running, or waiting for a slot or their prefill turn)",
+        async || e.engine().load_stat(0),
+        |s| in_engine(s) == 2,
     )
     .await;
-    // Sample while both hold slots: 16 tokens x 20 ms = 320 ms of prefill each.
-    let mut most = 0;
-    while e.engine().load_stat(0).num_running_reqs == 2 {
-        most = most.max(e.engine().prefilling(0));
+    // Sample while both are inside: 16 tokens x 20 ms = 320 ms of prefill each. (A sampling
+    // interval, not a wait for state: the loop ends on the condition.)
+    let mut seen = Overlap {
+        most_prefilling: 0,
+        most_running: 0,
+        most_waiting: 0,
+    };
+    loop {
+        let stat = e.engine().load_stat(0);
+        if in_engine(&stat) != 2 {
+            break;
+        }
+        seen.most_prefilling = seen.most_prefilling.max(e.engine().prefilling(0));
+        seen.most_running = seen.most_running.max(stat.num_running_reqs);
+        seen.most_waiting = seen.most_waiting.max(stat.num_waiting_reqs);
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     assert_eq!((a.await.unwrap(), b.await.unwrap()), (200, 200));
     assert_eq!(e.engine().prefilling(0), 0, "every prefill counted out");
+    let idle = e.engine().load_stat(0);
+    assert_eq!((idle.num_running_reqs, idle.num_waiting_reqs), (0, 0));
     fleet.shutdown().await;
-    most
+    seen
 }
 
 #[tokio::test]
 async fn prefill_serial_lets_one_rank_prefill_one_request_at_a_time() {
-    assert_eq!(max_concurrent_prefills_on_one_rank(true).await, 1);
+    assert_eq!(overlap_on_one_rank(true).await.most_prefilling, 1);
+}
+
+#[tokio::test]
+async fn a_request_waiting_for_its_serial_prefill_turn_is_reported_waiting_not_running() {
+    let seen = overlap_on_one_rank(true).await;
+    assert_eq!(seen.most_running, 1, "only the prefilling request runs");
+    assert_eq!(
+        seen.most_waiting, 1,
+        "the other is reported waiting for its turn"
+    );
 }
 
 #[tokio::test]
 async fn without_prefill_serial_concurrent_prefills_overlap() {
-    assert_eq!(max_concurrent_prefills_on_one_rank(false).await, 2);
+    let seen = overlap_on_one_rank(false).await;
+    assert_eq!(seen.most_prefilling, 2);
+    assert_eq!(seen.most_running, 2, "both prefill at once, so both run");
 }

@@ -160,9 +160,8 @@ impl Policy {
                 let first = self.pick_cache_aware(&mut scores, &within, &mut rng);
                 let order = order_with_first(first, n, |i| scores[i].cost_ms);
                 let best_match = ranks.iter().map(|r| r.matched_blocks).max().unwrap_or(0);
-                let cheapest_set_aside = (0..n).any(|i| {
-                    !within[i] && scores[i].cost_ms < scores[first].cost_ms
-                });
+                let cheapest_set_aside =
+                    (0..n).any(|i| !within[i] && scores[i].cost_ms < scores[first].cost_ms);
                 let reason = if prompt_tokens == 0 {
                     "no_tokens"
                 } else if cheapest_set_aside && within[first] {
