@@ -153,20 +153,23 @@ impl Policy {
         let mut rng = self.rng.lock();
         let (order, reason) = match self.kind {
             PolicyKind::CacheAware => {
-                let within = within_load_bound(ranks, &self.weights);
-                for (s, &w) in scores.iter_mut().zip(&within) {
+                for (s, w) in scores
+                    .iter_mut()
+                    .zip(within_load_bound(ranks, &self.weights))
+                {
                     s.within_load_bound = w;
                 }
-                let first = self.pick_cache_aware(&mut scores, &within, &mut rng);
+                let first = self.pick_cache_aware(&mut scores, &mut rng);
                 let order = order_with_first(first, n, |i| scores[i].cost_ms);
                 let best_match = ranks.iter().map(|r| r.matched_blocks).max().unwrap_or(0);
-                let cheapest_set_aside =
-                    (0..n).any(|i| !within[i] && scores[i].cost_ms < scores[first].cost_ms);
+                let cheaper_set_aside = scores
+                    .iter()
+                    .any(|s| !s.within_load_bound && s.cost_ms < scores[first].cost_ms);
                 let reason = if prompt_tokens == 0 {
                     "no_tokens"
-                } else if cheapest_set_aside && within[first] {
+                } else if cheaper_set_aside && scores[first].within_load_bound {
                     // A cheaper rank exists but the guard set it aside (when every rank is
-                    // over the bound the guard stepped aside and `within[first]` is false).
+                    // over the bound the guard stepped aside and the choice is over it too).
                     "load_bound"
                 } else if best_match == 0 {
                     "cold"
@@ -228,24 +231,20 @@ impl Policy {
         }
     }
 
-    /// Fills in probabilities and draws the first choice among the ranks `within` the load
-    /// bound (all of them when none is).
-    fn pick_cache_aware(
-        &self,
-        scores: &mut [RankScore],
-        within: &[bool],
-        rng: &mut StdRng,
-    ) -> usize {
-        let any_within = within.iter().any(|&w| w);
-        let eligible = |i: usize| !any_within || within[i];
-        let min = (0..scores.len())
-            .filter(|&i| eligible(i))
-            .map(|i| scores[i].cost_ms)
+    /// Fills in probabilities and draws the first choice among the ranks within the load bound
+    /// (all of them when none is).
+    fn pick_cache_aware(&self, scores: &mut [RankScore], rng: &mut StdRng) -> usize {
+        let any_within = scores.iter().any(|s| s.within_load_bound);
+        let eligible = |s: &RankScore| !any_within || s.within_load_bound;
+        let min = scores
+            .iter()
+            .filter(|s| eligible(s))
+            .map(|s| s.cost_ms)
             .fold(f64::INFINITY, f64::min);
         let t = self.weights.temperature_ms;
         if t <= 0.0 {
             let ties: Vec<usize> = (0..scores.len())
-                .filter(|&i| eligible(i) && scores[i].cost_ms <= min)
+                .filter(|&i| eligible(&scores[i]) && scores[i].cost_ms <= min)
                 .collect();
             for &i in &ties {
                 scores[i].probability = 1.0 / ties.len() as f64;
@@ -253,8 +252,8 @@ impl Policy {
             return ties[rng.random_range(0..ties.len())];
         }
         let mut total = 0.0;
-        for (i, s) in scores.iter_mut().enumerate() {
-            s.probability = if eligible(i) {
+        for s in scores.iter_mut() {
+            s.probability = if eligible(s) {
                 (-(s.cost_ms - min) / t).exp()
             } else {
                 0.0
@@ -292,10 +291,13 @@ pub fn within_load_bound(ranks: &[RankInput], w: &CostWeights) -> Vec<bool> {
     if w.load_bound_factor <= 0.0 || ranks.len() < 2 {
         return vec![true; ranks.len()];
     }
-    let loads: Vec<f64> = ranks.iter().map(RankInput::effective_in_flight).collect();
-    let mean_with_this = (loads.iter().sum::<f64>() + 1.0) / ranks.len() as f64;
+    let total: f64 = ranks.iter().map(RankInput::effective_in_flight).sum();
+    let mean_with_this = (total + 1.0) / ranks.len() as f64;
     let bound = w.load_bound_factor * mean_with_this + w.load_bound_slack_requests.max(0.0);
-    loads.iter().map(|&l| l + 1.0 <= bound).collect()
+    ranks
+        .iter()
+        .map(|r| r.effective_in_flight() + 1.0 <= bound)
+        .collect()
 }
 
 /// `first`, then every other index by ascending `key`.
