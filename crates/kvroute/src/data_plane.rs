@@ -14,12 +14,13 @@
 //! Shape:
 //! - One acceptor task on the control runtime owns the listening socket and deals accepted
 //!   connections round-robin to the threads (exact balance, unlike `SO_REUSEPORT` hashing,
-//!   and a second process cannot silently join the port). It sets `TCP_NODELAY` on each, which
-//!   `axum::serve` does not do: a response must never wait on Nagle for the previous segment's
-//!   ACK. A hand-off costs one cross-thread wake per CONNECTION, not per request.
-//! - Each thread runs `axum::serve` over a [`HandoffListener`] (the receiving end of its
-//!   bounded hand-off queue) with an app whose state carries the thread's own
-//!   [`UpstreamClient`]. Routes that change or read control-plane state (admin, metrics,
+//!   and a second process cannot silently join the port). It sets `TCP_NODELAY` on each: a
+//!   response must never wait on Nagle for the previous segment's ACK. A hand-off costs one
+//!   cross-thread wake per CONNECTION, not per request.
+//! - Each thread takes connections from its [`HandoffListener`] (the receiving end of its
+//!   bounded hand-off queue) and serves each with [`crate::fast_path::serve_connection`]: the
+//!   proxied routes by hand, everything else through hyper with an axum app whose state carries
+//!   the thread's own [`UpstreamClient`]. Routes that change or read control-plane state (admin, metrics,
 //!   readiness, model listing) are still served here but their handlers run on the control
 //!   runtime (see `server::on_control_runtime`), so tasks they spawn (KV subscribers, retries)
 //!   never land on a data-plane thread.
@@ -28,13 +29,13 @@
 //!   runs out) makes each thread return from `block_on`, which drops its runtime and with it
 //!   every connection still open.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::Router;
+use crate::fast_path::{ConnectionContext, serve_connection};
 use crate::upstream::UpstreamClient;
 
 /// Accepted connections waiting for their thread; beyond it the acceptor waits (back-pressure
@@ -55,37 +56,24 @@ pub fn thread_count(configured: usize) -> usize {
     }
 }
 
-/// The receiving end of one thread's hand-off queue, as `axum::serve` wants a listener.
+/// The receiving end of one thread's hand-off queue.
 pub struct HandoffListener {
     rx: mpsc::Receiver<std::net::TcpStream>,
-    local_addr: SocketAddr,
 }
 
-impl axum::serve::Listener for HandoffListener {
-    type Io = tokio::net::TcpStream;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+impl HandoffListener {
+    /// The next connection dealt to this thread, registered with this thread's reactor;
+    /// `None` once the acceptor is gone (shutdown).
+    async fn next_connection(&mut self) -> Option<tokio::net::TcpStream> {
         loop {
-            let Some(std_stream) = self.rx.recv().await else {
-                // The acceptor is gone (shutdown): no connection will ever come; the serve
-                // loop ends through its graceful-shutdown signal instead.
-                match std::future::pending::<std::convert::Infallible>().await {}
-            };
-            let peer = std_stream
-                .peer_addr()
-                .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+            let std_stream = self.rx.recv().await?;
             // Registers the socket with THIS thread's reactor; it was deregistered from the
             // acceptor's when it was converted to a std stream.
             match tokio::net::TcpStream::from_std(std_stream) {
-                Ok(stream) => return (stream, peer),
+                Ok(stream) => return Some(stream),
                 Err(e) => tracing::warn!(error = %e, "cannot adopt an accepted connection"),
             }
         }
-    }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        Ok(self.local_addr)
     }
 }
 
@@ -104,7 +92,6 @@ pub fn start(
     listener: tokio::net::TcpListener,
     threads: usize,
 ) -> std::io::Result<DataPlane> {
-    let local_addr = listener.local_addr()?;
     let threads = threads.clamp(1, DATA_PLANE_THREADS_MAX);
     let hard_stop = CancellationToken::new();
     // The threads stop when this sender goes away: on a hard stop, and also when the control
@@ -126,7 +113,7 @@ pub fn start(
         let router = router.clone();
         let lifeline = lifeline.subscribe();
         let exited = exited_tx.clone();
-        let listener = HandoffListener { rx, local_addr };
+        let listener = HandoffListener { rx };
         std::thread::Builder::new()
             .name(format!("kvroute-data-{thread_index}"))
             .spawn(move || {
@@ -164,22 +151,65 @@ fn run_thread(
         }
     };
     runtime.block_on(async move {
-        // Built inside the runtime so its connections' tasks are spawned here.
+        // Built inside the runtime so the pool's connections are driven here.
         let upstream = UpstreamClient::new(router.upstream_connect_timeout_ms());
-        let app = crate::server::app(router.clone(), upstream);
-        let shutdown = router.shutdown.clone();
-        let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
+        let ctx = Arc::new(ConnectionContext {
+            app: crate::server::app(router.clone(), upstream.clone()),
+            upstream,
+            shutdown: router.shutdown.clone(),
+            router,
+        });
+        tokio::spawn(anchor_the_timer_wheel());
         tokio::select! {
-            result = serve => {
-                if let Err(e) = result {
-                    tracing::error!(error = %e, "a data-plane server stopped with an error");
-                }
-            }
+            _ = serve_connections(listener, ctx) => {}
             // `changed` fails once the sender is gone (hard stop or control runtime dropped).
             _ = async { while lifeline.changed().await.is_ok() {} } => {}
         }
     });
     // Dropping the runtime here drops every connection task still open (hard stop).
+}
+
+/// Keeps a timer armed on this thread's driver at all times, a tick at most
+/// [`TIMER_ANCHOR_INTERVAL_MS`] away.
+///
+/// Why: tokio wakes a parked driver through its eventfd whenever a timer is armed with a
+/// deadline EARLIER than the driver's next planned wake, so that the new deadline is not
+/// overslept; with no timer armed, every new timer qualifies. Each proxied request arms one
+/// (its response-head timeout), so an idle-between-requests thread paid one eventfd `write`
+/// plus a spurious wake per request (`strace`, docs/BENCHMARKS.md). With this tick armed, a
+/// request timeout (seconds to minutes away) is never the earliest deadline and arms silently.
+/// The price is one wake per interval per thread.
+async fn anchor_the_timer_wheel() {
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(TIMER_ANCHOR_INTERVAL_MS)).await;
+    }
+}
+
+/// Period of the tick that keeps each data-plane thread's timer wheel anchored.
+pub const TIMER_ANCHOR_INTERVAL_MS: u64 = 1_000;
+
+/// Serves every connection dealt to this thread until shutdown, then waits for the open ones to
+/// finish (each closes once idle or after its request in flight).
+async fn serve_connections(mut listener: HandoffListener, ctx: Arc<ConnectionContext>) {
+    // Every connection task holds a clone; `recv` returns `None` once all have ended.
+    let (open_tx, mut open_rx) = mpsc::channel::<()>(1);
+    loop {
+        let stream = tokio::select! {
+            _ = ctx.shutdown.cancelled() => break,
+            stream = listener.next_connection() => match stream {
+                Some(s) => s,
+                None => break,
+            },
+        };
+        let ctx = ctx.clone();
+        let open = open_tx.clone();
+        tokio::spawn(async move {
+            serve_connection(ctx, stream).await;
+            drop(open);
+        });
+    }
+    drop(open_tx);
+    let _ = open_rx.recv().await;
 }
 
 /// The acceptor's side of one data-plane thread.

@@ -19,6 +19,8 @@ pub mod data_plane;
 pub mod demo;
 pub mod error;
 pub mod fast_ids;
+pub mod fast_path;
+pub mod h1;
 pub mod internal;
 pub mod kv;
 pub mod metrics;

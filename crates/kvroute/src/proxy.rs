@@ -1,10 +1,12 @@
 //! Forwarding a routed request to its engine rank and streaming the answer back.
 //!
 //! Shape and why:
-//! * The response body is the upstream body stream wrapped in [`TrackedBody`]; chunks are
-//!   handed to the client as they arrive (no buffering), and when the client goes away hyper drops
-//!   the body, which drops the upstream response and closes its connection: that is how a client
-//!   disconnect cancels the engine request.
+//! * [`forward`] returns a [`Routed`] answer: the engine's status and content type, the decision
+//!   header, and the engine's body wrapped in [`TrackedBody`]. Both servers stream it: the fast
+//!   path ([`crate::fast_path`]) writes it to the socket itself, the general (hyper) server gets
+//!   it as an HTTP body ([`Routed::into_response`]). Chunks are handed to the client as they
+//!   arrive (no buffering), and when the client goes away the body is dropped, which closes the
+//!   engine connection: that is how a client disconnect cancels the engine request.
 //! * The wrapper owns the rank's load accounting: in-flight is decremented when the stream ends or
 //!   is dropped (never leaked on an error path), and the request's queued-prefill estimate is
 //!   removed at the first chunk, when the engine has finished prefill.
@@ -21,15 +23,18 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use std::task::ready;
+
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
-use hyper::body::{Frame, Incoming, SizeHint};
+use hyper::body::{Frame, SizeHint};
 
 use crate::error::ApiError;
 use crate::registry::{HealthEvent, RankLoad, Worker};
 use crate::router::{RoutePlan, Router};
+use crate::upstream::{UpstreamBody, UpstreamError};
 
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
@@ -83,45 +88,107 @@ impl Drop for LoadGuard {
     }
 }
 
-/// The upstream body, passed through frame by frame, carrying the load guard. It keeps the
-/// upstream's size hint, so a body the engine framed by length reaches the client framed by
-/// length (one write) rather than chunked.
+/// The engine's body, passed through piece by piece, carrying the load guard.
 pub struct TrackedBody {
-    inner: Incoming,
+    inner: UpstreamBody,
     guard: Option<LoadGuard>,
 }
 
-impl hyper::body::Body for TrackedBody {
-    type Data = Bytes;
-    type Error = hyper::Error;
+impl TrackedBody {
+    /// The body's length when the engine framed it by length.
+    pub fn exact_length(&self) -> Option<u64> {
+        self.inner.exact_length()
+    }
 
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
+    /// The next piece of the body (`None` at its end). The first piece releases the request's
+    /// prefill estimate (the engine has finished prefill); the end or an error releases the
+    /// rank at once rather than when the body is dropped.
+    pub fn poll_chunk(
+        &mut self,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+    ) -> Poll<Result<Option<Bytes>, UpstreamError>> {
+        let polled = self.inner.poll_chunk(cx);
         match &polled {
-            Poll::Ready(Some(Ok(_))) => {
+            Poll::Ready(Ok(Some(_))) => {
                 if let Some(g) = self.guard.as_mut() {
                     g.prefill_done();
                 }
-                if self.inner.is_end_stream() {
+                if self.inner.is_done() {
                     self.guard = None;
                 }
             }
-            // End or error: release the rank now rather than when hyper drops the body.
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.guard = None,
+            Poll::Ready(Ok(None)) | Poll::Ready(Err(_)) => self.guard = None,
             Poll::Pending => {}
         }
         polled
     }
 
+    pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, UpstreamError> {
+        std::future::poll_fn(|cx| self.poll_chunk(cx)).await
+    }
+}
+
+/// For the general server: the body as an HTTP body. It keeps the engine's exact length, so a
+/// body the engine framed by length reaches the client framed by length rather than chunked.
+impl hyper::body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = UpstreamError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, UpstreamError>>> {
+        match ready!(self.poll_chunk(cx)) {
+            Ok(Some(piece)) => Poll::Ready(Some(Ok(Frame::data(piece)))),
+            Ok(None) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(e))),
+        }
+    }
+
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.inner.is_done()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match self.inner.exact_length() {
+            Some(n) => SizeHint::with_exact(n),
+            None => SizeHint::default(),
+        }
+    }
+}
+
+/// An engine's answer to a routed request, ready to stream to the client.
+pub struct Routed {
+    pub status: u16,
+    pub content_type: Option<Bytes>,
+    /// The `x-kvroute-decision` value, when the header is enabled.
+    pub decision: Option<String>,
+    pub body: TrackedBody,
+}
+
+impl Routed {
+    /// The answer as a response of the general server (the request id is added by the caller).
+    pub fn into_response(self) -> Response {
+        let mut headers = HeaderMap::new();
+        if let Some(ct) = self
+            .content_type
+            .as_ref()
+            .and_then(|ct| HeaderValue::from_bytes(ct).ok())
+        {
+            headers.insert("content-type", ct);
+        }
+        if let Some(v) = self
+            .decision
+            .as_deref()
+            .and_then(|d| HeaderValue::from_str(d).ok())
+        {
+            headers.insert(HeaderName::from_static(DECISION_HEADER), v);
+        }
+        let mut response = Response::new(Body::new(self.body));
+        *response.status_mut() =
+            StatusCode::from_u16(self.status).unwrap_or(StatusCode::BAD_GATEWAY);
+        *response.headers_mut() = headers;
+        response
     }
 }
 
@@ -196,8 +263,8 @@ fn encode_upstream_body(
 }
 
 /// Sends the request to the plan's ranks in order until one answers; returns the streaming
-/// response.
-pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response, ApiError> {
+/// answer.
+pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Routed, ApiError> {
     let plan = fwd.plan;
     let attempts = plan
         .decision
@@ -206,8 +273,8 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
         .min(router.config.max_retries as usize + 1);
     let timeout = Duration::from_millis(router.config.request_timeout_ms);
     let mut last_error = String::new();
-    // Parsed once for every attempt; an id that is not a valid header value is not forwarded.
-    let request_id_header = HeaderValue::from_str(fwd.request_id).ok();
+    // Checked once for every attempt; an id that is not a valid header value is not forwarded.
+    let request_id_header = crate::h1::usable_request_id(fwd.request_id.as_bytes());
     for (attempt, &idx) in plan.decision.order.iter().take(attempts).enumerate() {
         let cand = &plan.candidates[idx];
         let worker = &cand.worker;
@@ -236,14 +303,21 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
             uncached,
             (uncached.max(0) as f64 * router.policy.weights.prefill_cost_us_per_token) as u64,
         );
-        let dp_header = HeaderValue::from(cand.dp_rank);
-        let mut upstream_headers = vec![(DP_RANK_HEADER, dp_header)];
-        if let Some(v) = &request_id_header {
-            upstream_headers.push((REQUEST_ID_HEADER, v.clone()));
-        }
-        let send =
-            fwd.upstream
-                .post_json(&worker.url, fwd.endpoint.path(), &upstream_headers, body);
+        let dp_rank_text = cand.dp_rank.to_string();
+        let mut upstream_headers = [(DP_RANK_HEADER, dp_rank_text.as_str()), ("", "")];
+        let header_count = match request_id_header {
+            Some(v) => {
+                upstream_headers[1] = (REQUEST_ID_HEADER, v);
+                2
+            }
+            None => 1,
+        };
+        let send = fwd.upstream.post_json(
+            &worker.url,
+            fwd.endpoint.path(),
+            &upstream_headers[..header_count],
+            &body,
+        );
         match tokio::time::timeout(timeout, send).await {
             Err(_) => {
                 router
@@ -275,41 +349,37 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Response,
                 return Err(ApiError::Upstream(format!("{}: {e}", worker.url)));
             }
             Ok(Ok(resp)) => {
-                let status = resp.status();
+                let status = resp.status;
+                let server_error = (500..600).contains(&status);
                 router.health_event(
                     worker,
-                    if status.is_server_error() {
+                    if server_error {
                         HealthEvent::RequestFailed
                     } else {
                         HealthEvent::RequestOk
                     },
                 );
-                if status.is_server_error() {
+                if server_error {
                     router
                         .metrics
                         .upstream_failures
                         .with_label_values(&["status_5xx"])
                         .inc();
                 }
-                let mut headers = HeaderMap::new();
-                if let Some(ct) = resp.headers().get("content-type") {
-                    headers.insert("content-type", ct.clone());
-                }
-                // The request id is added by the handler, to every response including errors.
-                if router.config.decision_header {
-                    let text = plan.header_value(router.policy.kind.as_str(), idx);
-                    if let Ok(v) = HeaderValue::from_str(&text) {
-                        headers.insert(HeaderName::from_static(DECISION_HEADER), v);
-                    }
-                }
-                let body = TrackedBody {
-                    inner: resp.into_body(),
-                    guard: Some(guard),
-                };
-                let mut response = Response::new(Body::new(body));
-                *response.status_mut() = status;
-                *response.headers_mut() = headers;
-                return Ok(response);
+                // The request id is added by the caller, to every response including errors.
+                let decision = router
+                    .config
+                    .decision_header
+                    .then(|| plan.header_value(router.policy.kind.as_str(), idx));
+                return Ok(Routed {
+                    status,
+                    content_type: resp.content_type,
+                    decision,
+                    body: TrackedBody {
+                        inner: resp.body,
+                        guard: Some(guard),
+                    },
+                });
             }
         }
     }

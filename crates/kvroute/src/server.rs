@@ -25,8 +25,6 @@ use crate::registry::ModelGroup;
 use crate::router::{RegisterError, RoutePlan, Router};
 use crate::upstream::UpstreamClient;
 
-/// Longest client-supplied request id propagated as is; longer ones are replaced.
-pub const REQUEST_ID_MAX_BYTES: usize = 128;
 /// Bodies up to this size are prepared (parsed, tokenized) on the async worker; larger ones on
 /// the blocking pool, so tokenizing a huge prompt cannot stall other connections.
 pub const INLINE_PREPARE_MAX_BYTES: usize = 32 * 1024;
@@ -128,10 +126,62 @@ async fn generate(State(s): State<AppState>, headers: HeaderMap, body: Body) -> 
 fn request_id(headers: &HeaderMap) -> String {
     headers
         .get(REQUEST_ID_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= REQUEST_ID_MAX_BYTES)
+        .and_then(|v| crate::h1::usable_request_id(v.as_bytes()))
         .map(str::to_string)
-        .unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()))
+        .unwrap_or_else(new_request_id)
+}
+
+/// A request id for a request that came without a usable one.
+pub fn new_request_id() -> String {
+    // 128 random bits as 32 hex digits; written by hand since `format!` of a u128 showed in the
+    // proxy path's profile.
+    let mut bits = rand::random::<u128>();
+    let mut id = String::with_capacity(32);
+    for _ in 0..32 {
+        id.push(char::from(b"0123456789abcdef"[(bits >> 124) as usize]));
+        bits <<= 4;
+    }
+    id
+}
+
+/// Everything between a read body and the engine's answer, shared by both servers (the fast
+/// path and this one): prepare (parse, tokenize), plan, record the decision, forward.
+pub async fn route_request(
+    router: &Arc<Router>,
+    endpoint: Endpoint,
+    bytes: bytes::Bytes,
+    request_id: &str,
+    upstream: &UpstreamClient,
+) -> Result<proxy::Routed, ApiError> {
+    let prepared = if bytes.len() <= INLINE_PREPARE_MAX_BYTES {
+        prepare(router, endpoint, &bytes)?
+    } else {
+        let (r, b) = (router.clone(), bytes.clone());
+        tokio::task::spawn_blocking(move || prepare(&r, endpoint, &b))
+            .await
+            .map_err(|e| ApiError::Internal(format!("request preparation failed: {e}")))??
+    };
+    let plan = router.plan(prepared.group, &prepared.tokens)?;
+    router.record_decision(&plan);
+    proxy::forward(
+        router,
+        Forward {
+            endpoint,
+            original: (!prepared.rewritten).then_some(bytes),
+            body: prepared.body,
+            request_id,
+            plan: &plan,
+            upstream,
+        },
+    )
+    .await
+}
+
+/// Logs a failed proxied request the way both servers do: server-side failures only.
+pub fn log_failure(e: &ApiError, request_id: &str, endpoint: Endpoint) {
+    if e.status().is_server_error() {
+        tracing::warn!(request_id = %request_id, route = endpoint.path(), error = %e, "request failed");
+    }
 }
 
 async fn proxied(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
@@ -139,36 +189,13 @@ async fn proxied(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Body
     let rid = request_id(&headers);
     let result = async {
         let bytes = read_body(body, router.config.max_body_bytes).await?;
-        let prepared = if bytes.len() <= INLINE_PREPARE_MAX_BYTES {
-            prepare(&router, endpoint, &bytes)?
-        } else {
-            let (r, b) = (router.clone(), bytes.clone());
-            tokio::task::spawn_blocking(move || prepare(&r, endpoint, &b))
-                .await
-                .map_err(|e| ApiError::Internal(format!("request preparation failed: {e}")))??
-        };
-        let plan = router.plan(prepared.group, &prepared.tokens)?;
-        router.record_decision(&plan);
-        proxy::forward(
-            &router,
-            Forward {
-                endpoint,
-                original: (!prepared.rewritten).then_some(bytes),
-                body: prepared.body,
-                request_id: &rid,
-                plan: &plan,
-                upstream: &s.upstream,
-            },
-        )
-        .await
+        route_request(&router, endpoint, bytes, &rid, &s.upstream).await
     }
     .await;
     let mut resp = match result {
-        Ok(r) => r,
+        Ok(r) => r.into_response(),
         Err(e) => {
-            if e.status().is_server_error() {
-                tracing::warn!(request_id = %rid, route = endpoint.path(), error = %e, "request failed");
-            }
+            log_failure(&e, &rid, endpoint);
             e.into_response()
         }
     };

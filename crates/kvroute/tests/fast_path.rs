@@ -1,0 +1,1645 @@
+//! The hand-written HTTP/1.1 data path (`fast_path`, `h1`, `upstream`) checked at the byte
+//! level over real sockets.
+//!
+//! Why raw sockets: a client library hides exactly what is under test here (pipelining, the
+//! hand-off of a connection to hyper mid-life, where a connection closes, how a body is framed),
+//! so clients write and read bytes themselves and decode the answer with a small, independent
+//! reader below (not the router's own `h1` code, which would check itself).
+//!
+//! Engines: the simulated engine (`kvroute_sim`) is the fleet wherever a well-behaved engine is
+//! enough. Where an engine must misbehave at the byte level (answer chunked with extensions and
+//! trailers, frame a body by closing, close an idle kept-alive connection, cut a body, or show
+//! the exact request head it received), a tiny raw TCP stand-in ([`StandIn`]) plays the engine:
+//! the simulated engine is an axum server whose framing and connection handling are hyper's, so
+//! it can do none of these.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use kvroute::RouterConfig;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Longest wait for any one read from the router before the test fails.
+const IO_DEADLINE: Duration = Duration::from_secs(10);
+/// Pause between the pieces a stand-in engine writes, so they reach the router as separate
+/// reads (the property under test is reassembly across reads). Pacing, not a wait for state.
+const PIECE_PAUSE: Duration = Duration::from_millis(10);
+/// How long a stand-in engine keeps an idle kept-alive connection before closing it (an
+/// engine's keep-alive timeout, much shortened).
+const ENGINE_IDLE_CLOSE: Duration = Duration::from_millis(100);
+/// A token-id completion body: the router forwards such a body byte for byte to a non-DP engine.
+const TOKEN_BODY: &[u8] = br#"{"model":"m","prompt":[1,2,3],"max_tokens":1}"#;
+
+// ---------------------------------------------------------------------------------------------
+// Raw client side.
+
+/// A parsed response head.
+struct Head {
+    status: u16,
+    /// Names lowercased, in order.
+    headers: Vec<(String, String)>,
+}
+
+impl Head {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn header_count(&self, name: &str) -> usize {
+        self.headers.iter().filter(|(n, _)| n == name).count()
+    }
+
+    fn is_chunked(&self) -> bool {
+        self.header("transfer-encoding")
+            .is_some_and(|v| v.to_ascii_lowercase().contains("chunked"))
+    }
+
+    fn says_close(&self) -> bool {
+        self.header("connection")
+            .is_some_and(|v| v.to_ascii_lowercase().contains("close"))
+    }
+
+    fn request_id(&self) -> &str {
+        self.header("x-request-id")
+            .unwrap_or_else(|| panic!("no x-request-id on the response: {:?}", self.headers))
+    }
+}
+
+struct Response {
+    head: Head,
+    body: Vec<u8>,
+}
+
+impl Response {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "response body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+}
+
+/// One client connection to the router, read through a buffer so pipelined answers that arrive
+/// together are split correctly.
+struct Conn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Conn {
+    async fn open(addr: SocketAddr) -> Conn {
+        let stream = TcpStream::connect(addr)
+            .await
+            .expect("connect to the router");
+        Conn {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).await.expect("write to router");
+    }
+
+    /// Reads more bytes into the buffer; 0 at EOF. Fails the test after [`IO_DEADLINE`].
+    async fn fill(&mut self, what: &str) -> usize {
+        let mut chunk = [0u8; 16 * 1024];
+        match tokio::time::timeout(IO_DEADLINE, self.stream.read(&mut chunk)).await {
+            Err(_) => panic!(
+                "nothing from the router within {IO_DEADLINE:?} while waiting for {what}; \
+                 buffered: {:?}",
+                String::from_utf8_lossy(&self.buf)
+            ),
+            Ok(Err(e)) => panic!("reading from the router failed while waiting for {what}: {e}"),
+            Ok(Ok(n)) => {
+                self.buf.extend_from_slice(&chunk[..n]);
+                n
+            }
+        }
+    }
+
+    async fn read_head(&mut self) -> Head {
+        loop {
+            let parsed = {
+                let mut headers = [httparse::EMPTY_HEADER; 64];
+                let mut resp = httparse::Response::new(&mut headers);
+                match resp.parse(&self.buf) {
+                    Ok(httparse::Status::Complete(len)) => Some((
+                        len,
+                        Head {
+                            status: resp.code.unwrap_or(0),
+                            headers: resp
+                                .headers
+                                .iter()
+                                .map(|h| {
+                                    (
+                                        h.name.to_ascii_lowercase(),
+                                        String::from_utf8_lossy(h.value).into_owned(),
+                                    )
+                                })
+                                .collect(),
+                        },
+                    )),
+                    Ok(httparse::Status::Partial) => None,
+                    Err(e) => panic!(
+                        "malformed response head from the router ({e}): {:?}",
+                        String::from_utf8_lossy(&self.buf)
+                    ),
+                }
+            };
+            if let Some((len, head)) = parsed {
+                self.buf.drain(..len);
+                return head;
+            }
+            if self.fill("a response head").await == 0 {
+                panic!(
+                    "the router closed the connection before a complete response head; got {:?}",
+                    String::from_utf8_lossy(&self.buf)
+                );
+            }
+        }
+    }
+
+    async fn read_line(&mut self, what: &str) -> Vec<u8> {
+        loop {
+            if let Some(i) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                let line = self.buf[..i].to_vec();
+                self.buf.drain(..i + 2);
+                return line;
+            }
+            if self.fill(what).await == 0 {
+                panic!(
+                    "connection closed inside {what}; got {:?}",
+                    String::from_utf8_lossy(&self.buf)
+                );
+            }
+        }
+    }
+
+    async fn read_n(&mut self, n: usize, what: &str) -> Vec<u8> {
+        while self.buf.len() < n {
+            if self.fill(what).await == 0 {
+                panic!(
+                    "connection closed inside {what}: {} of {n} bytes: {:?}",
+                    self.buf.len(),
+                    String::from_utf8_lossy(&self.buf)
+                );
+            }
+        }
+        self.buf.drain(..n).collect()
+    }
+
+    /// Decodes a chunked body strictly (hex size, optional extension, CRLF after data, trailers).
+    async fn read_chunked_body(&mut self) -> Vec<u8> {
+        let mut body = Vec::new();
+        loop {
+            let line = self.read_line("a chunk-size line").await;
+            let size_text = line.split(|&b| b == b';').next().unwrap_or_default();
+            let size_text = String::from_utf8_lossy(size_text).trim().to_string();
+            let size = usize::from_str_radix(&size_text, 16).unwrap_or_else(|e| {
+                panic!(
+                    "bad chunk-size line {:?}: {e}",
+                    String::from_utf8_lossy(&line)
+                )
+            });
+            if size == 0 {
+                while !self.read_line("the trailer section").await.is_empty() {}
+                return body;
+            }
+            body.extend(self.read_n(size, "chunk data").await);
+            let end = self.read_n(2, "the CRLF after chunk data").await;
+            assert_eq!(end, b"\r\n", "chunk data must end with CRLF");
+        }
+    }
+
+    /// Everything until the router closes the connection.
+    async fn read_to_eof(&mut self, what: &str) -> Vec<u8> {
+        while self.fill(what).await > 0 {}
+        std::mem::take(&mut self.buf)
+    }
+
+    async fn read_body(&mut self, head: &Head) -> Vec<u8> {
+        if (100..200).contains(&head.status) || head.status == 204 || head.status == 304 {
+            return Vec::new();
+        }
+        if head.is_chunked() {
+            return self.read_chunked_body().await;
+        }
+        match head.header("content-length") {
+            Some(n) => {
+                let n: usize = n.trim().parse().expect("numeric content-length");
+                self.read_n(n, "a length-framed body").await
+            }
+            None => self.read_to_eof("a body framed by close").await,
+        }
+    }
+
+    async fn read_response(&mut self) -> Response {
+        let head = self.read_head().await;
+        let body = self.read_body(&head).await;
+        Response { head, body }
+    }
+
+    /// The router must close the connection now, with nothing more sent.
+    async fn expect_closed(&mut self, after: &str) {
+        assert!(
+            self.buf.is_empty(),
+            "unexpected bytes after {after}: {:?}",
+            String::from_utf8_lossy(&self.buf)
+        );
+        let n = self.fill(&format!("EOF after {after}")).await;
+        assert_eq!(
+            n,
+            0,
+            "expected the router to close the connection after {after}, got {:?}",
+            String::from_utf8_lossy(&self.buf)
+        );
+    }
+}
+
+/// A `POST` with a `Content-Length` body and `extra` headers.
+fn post(path: &str, extra: &[(&str, &str)], body: &[u8]) -> Vec<u8> {
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in extra {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut out = head.into_bytes();
+    out.extend_from_slice(body);
+    out
+}
+
+/// A `POST` whose body is one chunk: the fast path does not take it, so the general server
+/// (hyper) answers; used to compare the two servers on the same engine answer.
+fn chunked_post(path: &str, body: &[u8]) -> Vec<u8> {
+    let mut out = format!(
+        "POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
+         Transfer-Encoding: chunked\r\n\r\n{:x}\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(body);
+    out.extend_from_slice(b"\r\n0\r\n\r\n");
+    out
+}
+
+fn completion_body(prompt: &[u32]) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 1}))
+        .expect("encode")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw engine stand-in.
+
+/// What the stand-in does once it has read a POST.
+#[derive(Clone)]
+struct Answer {
+    /// When set, nothing is written until a permit is available (the test decides when the
+    /// engine answers).
+    gate: Option<Arc<tokio::sync::Semaphore>>,
+    /// Written in order, [`PIECE_PAUSE`] apart.
+    pieces: Vec<Vec<u8>>,
+    then: AfterAnswer,
+}
+
+#[derive(Clone, Copy)]
+enum AfterAnswer {
+    /// Wait for the next request on the same connection.
+    KeepAlive,
+    Close,
+    /// Keep the connection open but idle this long, then close it (unless the router sends or
+    /// closes first).
+    CloseWhenIdleFor(Duration),
+}
+
+#[derive(Debug, Clone)]
+struct SeenRequest {
+    /// Which accepted connection (0, 1, ...) carried it.
+    conn: usize,
+    method: String,
+    path: String,
+    /// Names lowercased, in order.
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl SeenRequest {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn header_count(&self, name: &str) -> usize {
+        self.headers.iter().filter(|(n, _)| n == name).count()
+    }
+}
+
+#[derive(Debug, Clone)]
+enum EngineEvent {
+    Request(SeenRequest),
+    /// The stand-in closed a kept-alive connection the router had left idle.
+    ClosedIdle {
+        conn: usize,
+    },
+    /// The router closed (or reset) the connection.
+    RouterClosed {
+        conn: usize,
+    },
+    /// The router sent bytes that are not an HTTP/1.1 request.
+    Malformed {
+        conn: usize,
+        why: String,
+    },
+}
+
+type AnswerFn = dyn Fn(usize) -> Answer + Send + Sync;
+
+/// A raw TCP engine: `GET`s (the router's discovery: `/server_info`, `/v1/models`) get a 404,
+/// so a worker registered as `url@m` is taken with no KV events and routed on load; the n-th
+/// `POST` (from 0) gets `answer(n)`. Everything it sees is logged as [`EngineEvent`]s.
+struct StandIn {
+    url: String,
+    authority: String,
+    events: Arc<Mutex<Vec<EngineEvent>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StandIn {
+    async fn start(answer: impl Fn(usize) -> Answer + Send + Sync + 'static) -> StandIn {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let authority = listener.local_addr().expect("addr").to_string();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let answer: Arc<AnswerFn> = Arc::new(answer);
+        let posts = Arc::new(AtomicUsize::new(0));
+        let log = events.clone();
+        let task = tokio::spawn(async move {
+            // Connection tasks live in the set, so aborting this task ends them too.
+            let mut connections = tokio::task::JoinSet::new();
+            for conn in 0.. {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                connections.spawn(serve_engine_connection(
+                    conn,
+                    stream,
+                    answer.clone(),
+                    posts.clone(),
+                    log.clone(),
+                ));
+            }
+        });
+        StandIn {
+            url: format!("http://{authority}"),
+            authority,
+            events,
+            task,
+        }
+    }
+
+    /// The worker spec with a fixed model, so the router needs nothing from `/server_info`.
+    fn worker(&self) -> String {
+        format!("{}@m", self.url)
+    }
+
+    fn events(&self) -> Vec<EngineEvent> {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The POSTs seen, with `conn` renumbered 0, 1, ... by first use for a POST, so the
+    /// connections of the router's discovery GETs do not count.
+    /// Fails the test if the router ever sent the engine bytes that are not HTTP/1.1.
+    fn posts(&self) -> Vec<SeenRequest> {
+        let events = self.events();
+        for e in &events {
+            if let EngineEvent::Malformed { conn, why } = e {
+                panic!("the router sent a malformed request on engine connection {conn}: {why}");
+            }
+        }
+        let mut order: Vec<usize> = Vec::new();
+        events
+            .into_iter()
+            .filter_map(|e| match e {
+                EngineEvent::Request(mut r) if r.method == "POST" => {
+                    r.conn = match order.iter().position(|&c| c == r.conn) {
+                        Some(i) => i,
+                        None => {
+                            order.push(r.conn);
+                            order.len() - 1
+                        }
+                    };
+                    Some(r)
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The accepted-connection number that carried the first POST.
+    fn first_post_connection(&self) -> Option<usize> {
+        self.events().into_iter().find_map(|e| match e {
+            EngineEvent::Request(r) if r.method == "POST" => Some(r.conn),
+            _ => None,
+        })
+    }
+}
+
+impl Drop for StandIn {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A parsed request head: method, path, headers, head length.
+type RequestHeadParts = (String, String, Vec<(String, String)>, usize);
+
+fn parse_request_head(buf: &[u8]) -> Result<Option<RequestHeadParts>, String> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => Ok(Some((
+            req.method.unwrap_or_default().to_string(),
+            req.path.unwrap_or_default().to_string(),
+            req.headers
+                .iter()
+                .map(|h| {
+                    (
+                        h.name.to_ascii_lowercase(),
+                        String::from_utf8_lossy(h.value).into_owned(),
+                    )
+                })
+                .collect(),
+            len,
+        ))),
+        Ok(httparse::Status::Partial) => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+async fn serve_engine_connection(
+    conn: usize,
+    mut stream: TcpStream,
+    answer: Arc<AnswerFn>,
+    posts: Arc<AtomicUsize>,
+    events: Arc<Mutex<Vec<EngineEvent>>>,
+) {
+    let log = |e: EngineEvent| events.lock().unwrap_or_else(|e| e.into_inner()).push(e);
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 16 * 1024];
+    loop {
+        let (method, path, headers, head_len) = loop {
+            match parse_request_head(&buf) {
+                Ok(Some(parts)) => break parts,
+                Ok(None) => {}
+                Err(why) => return log(EngineEvent::Malformed { conn, why }),
+            }
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return log(EngineEvent::RouterClosed { conn }),
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+        let length = headers
+            .iter()
+            .find(|(n, _)| n == "content-length")
+            .map(|(_, v)| v.trim().parse::<usize>());
+        let length = match length {
+            None => 0,
+            Some(Ok(n)) => n,
+            Some(Err(e)) => {
+                let why = format!("bad content-length: {e}");
+                return log(EngineEvent::Malformed { conn, why });
+            }
+        };
+        while buf.len() < head_len + length {
+            match stream.read(&mut chunk).await {
+                Ok(0) | Err(_) => return log(EngineEvent::RouterClosed { conn }),
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let body = buf[head_len..head_len + length].to_vec();
+        buf.drain(..head_len + length);
+        let is_post = method == "POST";
+        log(EngineEvent::Request(SeenRequest {
+            conn,
+            method,
+            path,
+            headers,
+            body,
+        }));
+        if !is_post {
+            let _ = stream
+                .write_all(
+                    b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                )
+                .await;
+            return;
+        }
+        let answer = answer(posts.fetch_add(1, Ordering::SeqCst));
+        if let Some(gate) = &answer.gate {
+            match gate.acquire().await {
+                Ok(permit) => permit.forget(),
+                Err(_) => return,
+            }
+        }
+        for (i, piece) in answer.pieces.iter().enumerate() {
+            if i > 0 {
+                tokio::time::sleep(PIECE_PAUSE).await;
+            }
+            if stream.write_all(piece).await.is_err() {
+                return log(EngineEvent::RouterClosed { conn });
+            }
+        }
+        match answer.then {
+            AfterAnswer::KeepAlive => {}
+            AfterAnswer::Close => return,
+            AfterAnswer::CloseWhenIdleFor(idle) => {
+                let mut probe = [0u8; 1];
+                let read = tokio::select! {
+                    read = stream.read(&mut probe) => Some(read),
+                    _ = tokio::time::sleep(idle) => None,
+                };
+                match read {
+                    Some(Ok(0)) | Some(Err(_)) => return log(EngineEvent::RouterClosed { conn }),
+                    Some(Ok(_)) => buf.push(probe[0]),
+                    None => {
+                        // Logged only once the socket is closed, so a test that sees the event
+                        // knows the FIN is on its way to the router.
+                        drop(stream);
+                        return log(EngineEvent::ClosedIdle { conn });
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A complete length-framed JSON answer.
+fn json_answer(body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// One data-plane thread: every client connection, and so every engine connection the router
+/// pools, lives on the same thread and pool.
+fn stand_in_router_config(engine: &StandIn) -> RouterConfig {
+    RouterConfig {
+        data_plane_threads: 1,
+        ..router_config(&[engine.worker()])
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pipelined_requests_on_one_connection_get_two_answers_in_order() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let mut client = Conn::open(router.addr).await;
+    // Different prompt lengths, so each answer shows which request it belongs to.
+    let mut both = post(
+        "/v1/completions",
+        &[("x-request-id", "pipelined-first")],
+        &completion_body(&[1, 2, 3]),
+    );
+    both.extend(post(
+        "/v1/completions",
+        &[("x-request-id", "pipelined-second")],
+        &completion_body(&[4, 5, 6, 7, 8]),
+    ));
+    client.send(&both).await;
+    for (id, prompt_tokens) in [("pipelined-first", 3), ("pipelined-second", 5)] {
+        let resp = client.read_response().await;
+        assert_eq!(resp.head.status, 200, "{id}: {}", resp.json());
+        assert_eq!(resp.head.request_id(), id, "answers must come in order");
+        assert_eq!(
+            resp.json()["usage"]["prompt_tokens"],
+            prompt_tokens,
+            "{id} answered with another request's result: {}",
+            resp.json()
+        );
+    }
+    drop(client);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_pipelined_while_the_previous_one_waits_for_the_engine_is_answered_next() {
+    // The engine holds its first answer until the test lets it go, so the second request is
+    // sent while the router waits for the engine with the client socket watched.
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let gate = release.clone();
+    let engine = StandIn::start(move |n| Answer {
+        gate: (n == 0).then(|| gate.clone()),
+        pieces: vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
+        then: AfterAnswer::KeepAlive,
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    let mut client = Conn::open(router.addr).await;
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", "held")],
+            TOKEN_BODY,
+        ))
+        .await;
+    wait_until(
+        "the first request to reach the engine",
+        WAIT_DEADLINE,
+        || {
+            let posts = engine.posts().len();
+            async move {
+                if posts == 1 {
+                    Ok(())
+                } else {
+                    Err(format!("{posts} requests at the engine"))
+                }
+            }
+        },
+    )
+    .await;
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", "pipelined-behind")],
+            TOKEN_BODY,
+        ))
+        .await;
+    release.add_permits(1);
+    for (id, answer) in [("held", 0), ("pipelined-behind", 1)] {
+        let resp = client.read_response().await;
+        assert_eq!(resp.head.status, 200, "{id}");
+        assert_eq!(resp.head.request_id(), id, "answers in request order");
+        assert_eq!(resp.json()["answer"], answer, "{id}");
+    }
+    let ids: Vec<Option<String>> = engine
+        .posts()
+        .iter()
+        .map(|p| p.header("x-request-id").map(str::to_string))
+        .collect();
+    assert_eq!(
+        ids,
+        vec![
+            Some("held".to_string()),
+            Some("pipelined-behind".to_string())
+        ],
+        "each request reached the engine once, in order"
+    );
+    drop(client);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_switches_to_the_general_server_after_a_request_the_fast_path_does_not_take() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let mut client = Conn::open(router.addr).await;
+
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", "before-switch")],
+            &completion_body(&[1, 2, 3]),
+        ))
+        .await;
+    let first = client.read_response().await;
+    assert_eq!(first.head.status, 200, "{}", first.json());
+    assert_eq!(first.head.request_id(), "before-switch");
+    assert!(!first.head.says_close(), "{:?}", first.head.headers);
+
+    client
+        .send(b"GET /healthz HTTP/1.1\r\nHost: router\r\n\r\n")
+        .await;
+    let health = client.read_response().await;
+    assert_eq!(health.head.status, 200);
+    assert_eq!(health.body, b"ok", "the general server's /healthz answer");
+
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", "after-switch")],
+            &completion_body(&[4, 5, 6, 7]),
+        ))
+        .await;
+    let third = client.read_response().await;
+    assert_eq!(third.head.status, 200, "{}", third.json());
+    assert_eq!(third.head.request_id(), "after-switch");
+    assert_eq!(
+        third.json()["usage"]["prompt_tokens"],
+        4,
+        "{}",
+        third.json()
+    );
+    drop(client);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_request_body_is_served_through_the_general_server() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let mut client = Conn::open(router.addr).await;
+    let body = completion_body(&[9, 8, 7, 6, 5, 4]);
+    let (a, b) = body.split_at(body.len() / 2);
+    let mut request = b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n\
+        Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\
+        x-request-id: chunked-upload\r\n\r\n"
+        .to_vec();
+    for part in [a, b] {
+        request.extend(format!("{:x}\r\n", part.len()).into_bytes());
+        request.extend_from_slice(part);
+        request.extend_from_slice(b"\r\n");
+    }
+    request.extend_from_slice(b"0\r\n\r\n");
+    client.send(&request).await;
+    let resp = client.read_response().await;
+    assert_eq!(resp.head.status, 200, "{}", resp.json());
+    assert_eq!(resp.head.request_id(), "chunked-upload");
+    assert_eq!(
+        resp.json()["usage"]["prompt_tokens"],
+        6,
+        "the whole chunked body reached the engine: {}",
+        resp.json()
+    );
+    drop(client);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_0_request_and_expect_100_continue_are_answered() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+
+    // HTTP/1.0: answered without chunked framing (a 1.0 client cannot decode it), then closed
+    // (no keep-alive was asked for).
+    let mut client = Conn::open(router.addr).await;
+    let body = completion_body(&[1, 2, 3]);
+    let mut request = format!(
+        "POST /v1/completions HTTP/1.0\r\nHost: router\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nx-request-id: old-client\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(&body);
+    client.send(&request).await;
+    let head = client.read_head().await;
+    assert_eq!(head.status, 200, "{:?}", head.headers);
+    assert!(
+        !head.is_chunked(),
+        "an HTTP/1.0 client got a chunked answer: {:?}",
+        head.headers
+    );
+    assert_eq!(head.request_id(), "old-client");
+    let body_bytes = client.read_body(&head).await;
+    let answer: Value = serde_json::from_slice(&body_bytes).expect("JSON answer");
+    assert_eq!(answer["usage"]["prompt_tokens"], 3, "{answer}");
+    client.expect_closed("an HTTP/1.0 answer").await;
+
+    // Expect: 100-continue: the interim answer comes before the body is sent.
+    let mut client = Conn::open(router.addr).await;
+    let head_only = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nExpect: 100-continue\r\nx-request-id: expects\r\n\r\n",
+        body.len()
+    );
+    client.send(head_only.as_bytes()).await;
+    let interim = client.read_head().await;
+    assert_eq!(
+        interim.status, 100,
+        "the router must invite the body: {:?}",
+        interim.headers
+    );
+    client.send(&body).await;
+    let resp = client.read_response().await;
+    assert_eq!(resp.head.status, 200, "{}", resp.json());
+    assert_eq!(resp.head.request_id(), "expects");
+    assert_eq!(resp.json()["usage"]["prompt_tokens"], 3, "{}", resp.json());
+    drop(client);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_limit_gets_413_in_the_openai_shape_and_the_connection_closes() {
+    let cfg = RouterConfig {
+        max_body_bytes: 1024,
+        workers: Vec::new(),
+        ..router_config(&[])
+    };
+    let router = kvroute::serve(cfg).await.unwrap();
+    let mut client = Conn::open(router.addr).await;
+    // Only the head: the router must answer without waiting for a body it will not read.
+    client
+        .send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
+              Content-Length: 1000000\r\nx-request-id: too-big\r\n\r\n",
+        )
+        .await;
+    let resp = client.read_response().await;
+    assert_eq!(resp.head.status, 413, "{:?}", resp.head.headers);
+    assert_eq!(resp.head.request_id(), "too-big");
+    assert!(
+        resp.head
+            .header("content-type")
+            .is_some_and(|ct| ct.starts_with("application/json")),
+        "{:?}",
+        resp.head.headers
+    );
+    let error = resp.json();
+    assert_eq!(error["error"]["code"], "body_too_large", "{error}");
+    assert!(
+        error["error"]["message"].is_string() && error["error"]["type"].is_string(),
+        "OpenAI error shape: {error}"
+    );
+    assert!(
+        resp.head.says_close(),
+        "the unread body means the connection cannot continue: {:?}",
+        resp.head.headers
+    );
+    client.expect_closed("a 413").await;
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_close_from_the_client_closes_after_the_answer() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let mut client = Conn::open(router.addr).await;
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("Connection", "close")],
+            &completion_body(&[1, 2]),
+        ))
+        .await;
+    let resp = client.read_response().await;
+    assert_eq!(resp.head.status, 200, "{}", resp.json());
+    assert!(resp.head.says_close(), "{:?}", resp.head.headers);
+    assert_eq!(resp.json()["usage"]["prompt_tokens"], 2, "{}", resp.json());
+    client
+        .expect_closed("an answer to `Connection: close`")
+        .await;
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_engine_answer_reaches_the_client_chunked_and_complete() {
+    // Chunk boundaries fall mid-line and mid-data; one chunk has an extension; a trailer ends it.
+    let engine = StandIn::start(|_| Answer {
+        gate: None,
+        pieces: vec![
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+              transfer-encoding: chunked\r\n\r\n"
+                .to_vec(),
+            b"6;note=first\r\ndata: \r\n".to_vec(),
+            b"1".to_vec(),
+            b"3\r\nhello, wor".to_vec(),
+            b"ld, again\r\n3\r\n!\n\n\r\n0\r\nx-engine-trailer: t\r\n".to_vec(),
+            b"\r\n".to_vec(),
+        ],
+        then: AfterAnswer::KeepAlive,
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    let mut client = Conn::open(router.addr).await;
+    for attempt in 0..2 {
+        client.send(&post("/v1/completions", &[], TOKEN_BODY)).await;
+        let resp = client.read_response().await;
+        assert_eq!(resp.head.status, 200, "attempt {attempt}");
+        assert!(
+            resp.head.is_chunked() && resp.head.header("content-length").is_none(),
+            "attempt {attempt}: {:?}",
+            resp.head.headers
+        );
+        assert_eq!(
+            resp.head.header("content-type"),
+            Some("text/event-stream"),
+            "the engine's content type is passed on"
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&resp.body),
+            "data: hello, world, again!\n\n",
+            "attempt {attempt}: the decoded body is the engine's data"
+        );
+    }
+    let posts = engine.posts();
+    assert_eq!(posts.len(), 2, "{posts:?}");
+    assert!(
+        posts.iter().all(|p| p.conn == 0),
+        "the engine connection is reused after a chunked body with trailers (read to its exact \
+         end): {:?}",
+        posts.iter().map(|p| p.conn).collect::<Vec<_>>()
+    );
+    drop(client);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_answer_framed_by_close_is_passed_through_whole() {
+    let engine = StandIn::start(|_| Answer {
+        gate: None,
+        pieces: vec![
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n".to_vec(),
+            br#"{"part":"one","#.to_vec(),
+            br#""rest":"two"}"#.to_vec(),
+        ],
+        then: AfterAnswer::Close,
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    let mut client = Conn::open(router.addr).await;
+    for attempt in 0..2 {
+        client.send(&post("/v1/completions", &[], TOKEN_BODY)).await;
+        let resp = client.read_response().await;
+        assert_eq!(resp.head.status, 200, "attempt {attempt}");
+        assert!(
+            resp.head.is_chunked(),
+            "a body of unknown length reaches the client chunked, so the client connection \
+             survives: {:?}",
+            resp.head.headers
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&resp.body),
+            r#"{"part":"one","rest":"two"}"#,
+            "attempt {attempt}"
+        );
+    }
+    let conns: Vec<usize> = engine.posts().iter().map(|p| p.conn).collect();
+    assert_eq!(
+        conns,
+        vec![0, 1],
+        "a connection framed by close is never reused"
+    );
+    drop(client);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() {
+    let engine = StandIn::start(|n| Answer {
+        gate: None,
+        pieces: vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
+        then: if n == 0 {
+            AfterAnswer::CloseWhenIdleFor(ENGINE_IDLE_CLOSE)
+        } else {
+            AfterAnswer::KeepAlive
+        },
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    let mut client = Conn::open(router.addr).await;
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", "before-idle-close")],
+            TOKEN_BODY,
+        ))
+        .await;
+    let first = client.read_response().await;
+    assert_eq!(first.head.status, 200);
+    assert_eq!(first.json()["answer"], 0);
+    wait_until(
+        "the engine to close the kept-alive connection the router pooled",
+        WAIT_DEADLINE,
+        || {
+            let events = engine.events();
+            let used = engine.first_post_connection();
+            async move {
+                assert!(
+                    !events.iter().any(
+                        |e| matches!(e, EngineEvent::RouterClosed { conn } if Some(*conn) == used)
+                    ),
+                    "the router closed the engine connection instead of pooling it: {events:?}"
+                );
+                if events
+                    .iter()
+                    .any(|e| matches!(e, EngineEvent::ClosedIdle { conn } if Some(*conn) == used))
+                {
+                    Ok(())
+                } else {
+                    Err(format!("{events:?}"))
+                }
+            }
+        },
+    )
+    .await;
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", "after-idle-close")],
+            TOKEN_BODY,
+        ))
+        .await;
+    let second = client.read_response().await;
+    assert_eq!(
+        second.head.status,
+        200,
+        "a stale pooled connection must not fail the request: {:?}",
+        String::from_utf8_lossy(&second.body)
+    );
+    assert_eq!(second.json()["answer"], 1);
+    let seen: Vec<(usize, Option<String>)> = engine
+        .posts()
+        .iter()
+        .map(|p| (p.conn, p.header("x-request-id").map(str::to_string)))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            (0, Some("before-idle-close".to_string())),
+            (1, Some("after-idle-close".to_string())),
+        ],
+        "one engine request per client request, the second on a fresh connection"
+    );
+    drop(client);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_engine_drops_unanswered_on_a_reused_connection_is_retried_on_a_fresh_one() {
+    // The close racing the request: the engine reads the request on the pooled connection and
+    // closes it without a byte of answer, so nothing was taken and one retry is safe.
+    let engine = StandIn::start(|n| match n {
+        1 => Answer {
+            gate: None,
+            pieces: Vec::new(),
+            then: AfterAnswer::Close,
+        },
+        _ => Answer {
+            gate: None,
+            pieces: vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
+            then: AfterAnswer::KeepAlive,
+        },
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    let mut client = Conn::open(router.addr).await;
+    for (id, answer) in [("warm-up", 0), ("dropped-then-retried", 2)] {
+        client
+            .send(&post(
+                "/v1/completions",
+                &[("x-request-id", id)],
+                TOKEN_BODY,
+            ))
+            .await;
+        let resp = client.read_response().await;
+        assert_eq!(
+            resp.head.status,
+            200,
+            "{id}: {:?}",
+            String::from_utf8_lossy(&resp.body)
+        );
+        assert_eq!(resp.json()["answer"], answer, "{id}");
+    }
+    let seen: Vec<(usize, Option<String>)> = engine
+        .posts()
+        .iter()
+        .map(|p| (p.conn, p.header("x-request-id").map(str::to_string)))
+        .collect();
+    let id = |s: &str| Some(s.to_string());
+    assert_eq!(
+        seen,
+        vec![
+            (0, id("warm-up")),
+            (0, id("dropped-then-retried")),
+            (1, id("dropped-then-retried")),
+        ],
+        "sent on the pooled connection, dropped there, retried once on a fresh one"
+    );
+    drop(client);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_body_cut_midway_cuts_the_client_connection() {
+    // Head and the first 10 of 100 announced bytes in one write, then the engine closes.
+    let engine = StandIn::start(|_| {
+        let mut cut = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+            content-length: 100\r\n\r\n"
+            .to_vec();
+        cut.extend_from_slice(b"0123456789");
+        Answer {
+            gate: None,
+            pieces: vec![cut],
+            then: AfterAnswer::Close,
+        }
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    let mut client = Conn::open(router.addr).await;
+    client.send(&post("/v1/completions", &[], TOKEN_BODY)).await;
+    let head = client.read_head().await;
+    assert_eq!(head.status, 200, "{:?}", head.headers);
+    assert_eq!(
+        head.header("content-length"),
+        Some("100"),
+        "the engine's length is announced: {:?}",
+        head.headers
+    );
+    let body = client.read_to_eof("the rest of a cut body").await;
+    assert_eq!(
+        body, b"0123456789",
+        "the client gets what the engine sent and then EOF, short of the announced 100 bytes"
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_id_header_that_is_too_long_is_replaced() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let mut client = Conn::open(router.addr).await;
+
+    let longest = "k".repeat(128);
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", &longest)],
+            &completion_body(&[1]),
+        ))
+        .await;
+    let kept = client.read_response().await;
+    assert_eq!(kept.head.status, 200, "{}", kept.json());
+    assert_eq!(
+        kept.head.request_id(),
+        longest,
+        "a 128-byte id is still the client's"
+    );
+
+    let too_long = "k".repeat(129);
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", &too_long)],
+            &completion_body(&[1]),
+        ))
+        .await;
+    let replaced = client.read_response().await;
+    assert_eq!(replaced.head.status, 200, "{}", replaced.json());
+    assert_eq!(replaced.head.header_count("x-request-id"), 1);
+    let id = replaced.head.request_id();
+    assert_ne!(id, too_long, "a 129-byte id must not be echoed");
+    assert!(
+        id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()),
+        "a generated id (32 hex digits) replaces it: {id:?}"
+    );
+    drop(client);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_sees_the_request_id_and_the_dp_rank_headers() {
+    let engine = StandIn::start(|_| Answer {
+        gate: None,
+        pieces: vec![json_answer(r#"{"ok":true}"#)],
+        then: AfterAnswer::KeepAlive,
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    let mut client = Conn::open(router.addr).await;
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", "seen-by-engine")],
+            TOKEN_BODY,
+        ))
+        .await;
+    let resp = client.read_response().await;
+    assert_eq!(resp.head.status, 200);
+    assert_eq!(resp.json()["ok"], true);
+    let posts = engine.posts();
+    assert_eq!(posts.len(), 1, "{posts:?}");
+    let seen = &posts[0];
+    assert_eq!(seen.path, "/v1/completions");
+    let expected = [
+        ("x-request-id", "seen-by-engine".to_string()),
+        ("x-data-parallel-rank", "0".to_string()),
+        ("host", engine.authority.clone()),
+        ("content-type", "application/json".to_string()),
+        ("content-length", TOKEN_BODY.len().to_string()),
+    ];
+    for (name, value) in expected {
+        assert_eq!(
+            seen.header(name),
+            Some(value.as_str()),
+            "{name}: {:?}",
+            seen.headers
+        );
+        assert_eq!(
+            seen.header_count(name),
+            1,
+            "{name} once: {:?}",
+            seen.headers
+        );
+    }
+    assert_eq!(
+        seen.body,
+        TOKEN_BODY,
+        "a token-id body reaches a non-DP engine byte for byte: {:?}",
+        String::from_utf8_lossy(&seen.body)
+    );
+    drop(client);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipelined_request_the_fast_path_does_not_take_is_replayed_to_the_general_server() {
+    // All three in one write: the GET (and the POST behind it) are already in the fast path's
+    // buffer when it hands the connection to hyper, so they reach hyper only by the replay.
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let mut client = Conn::open(router.addr).await;
+    let mut all = post(
+        "/v1/completions",
+        &[("x-request-id", "fast-one")],
+        &completion_body(&[1, 2]),
+    );
+    all.extend_from_slice(b"GET /healthz HTTP/1.1\r\nHost: router\r\n\r\n");
+    all.extend(post(
+        "/v1/completions",
+        &[("x-request-id", "replayed-one")],
+        &completion_body(&[1, 2, 3, 4, 5, 6, 7]),
+    ));
+    client.send(&all).await;
+    let first = client.read_response().await;
+    assert_eq!(first.head.status, 200, "{}", first.json());
+    assert_eq!(first.head.request_id(), "fast-one");
+    assert_eq!(first.json()["usage"]["prompt_tokens"], 2);
+    let health = client.read_response().await;
+    assert_eq!(health.head.status, 200);
+    assert_eq!(health.body, b"ok");
+    let third = client.read_response().await;
+    assert_eq!(third.head.status, 200, "{}", third.json());
+    assert_eq!(third.head.request_id(), "replayed-one");
+    assert_eq!(
+        third.json()["usage"]["prompt_tokens"],
+        7,
+        "{}",
+        third.json()
+    );
+    drop(client);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_trickled_in_small_pieces_is_reassembled() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let mut client = Conn::open(router.addr).await;
+    client.stream.set_nodelay(true).expect("nodelay");
+    let request = post(
+        "/v1/completions",
+        &[("x-request-id", "trickled")],
+        &completion_body(&[3, 1, 4, 1, 5]),
+    );
+    // Pieces of 7 bytes split the request line, header lines, the blank line and the body.
+    for piece in request.chunks(7) {
+        client.send(piece).await;
+        tokio::time::sleep(PIECE_PAUSE).await;
+    }
+    let resp = client.read_response().await;
+    assert_eq!(resp.head.status, 200, "{}", resp.json());
+    assert_eq!(resp.head.request_id(), "trickled");
+    assert_eq!(resp.json()["usage"]["prompt_tokens"], 5, "{}", resp.json());
+    drop(client);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_answer_on_the_fast_path_keeps_the_connection_usable() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let mut client = Conn::open(router.addr).await;
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", "no-such-model")],
+            br#"{"model":"nope","prompt":[1]}"#,
+        ))
+        .await;
+    let error = client.read_response().await;
+    assert_eq!(error.head.status, 404, "{}", error.json());
+    assert_eq!(error.head.request_id(), "no-such-model");
+    assert_eq!(error.json()["error"]["code"], "model_not_found");
+    assert!(!error.head.says_close(), "{:?}", error.head.headers);
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", "after-error")],
+            &completion_body(&[1, 2, 3]),
+        ))
+        .await;
+    let ok = client.read_response().await;
+    assert_eq!(ok.head.status, 200, "{}", ok.json());
+    assert_eq!(ok.head.request_id(), "after-error");
+    drop(client);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_chunk_from_the_engine_cuts_the_client_connection_without_a_last_chunk() {
+    let engine = StandIn::start(|_| Answer {
+        gate: None,
+        pieces: vec![
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+              transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"
+                .to_vec(),
+            b"zz\r\nnot a chunk\r\n".to_vec(),
+        ],
+        then: AfterAnswer::KeepAlive,
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    let mut client = Conn::open(router.addr).await;
+    client.send(&post("/v1/completions", &[], TOKEN_BODY)).await;
+    let head = client.read_head().await;
+    assert_eq!(head.status, 200, "{:?}", head.headers);
+    assert!(head.is_chunked(), "{:?}", head.headers);
+    let rest = client
+        .read_to_eof("the rest of a broken chunked body")
+        .await;
+    assert_eq!(
+        String::from_utf8_lossy(&rest),
+        "5\r\nhello\r\n",
+        "the good chunk, then EOF with no last chunk (a complete-looking body would lie)"
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_engine_head_is_a_502_in_the_openai_shape() {
+    let engine = StandIn::start(|_| Answer {
+        gate: None,
+        pieces: vec![b"HTTP/1.1 2x0 Fine\r\ncontent-length: 2\r\n\r\n{}".to_vec()],
+        then: AfterAnswer::KeepAlive,
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    let mut client = Conn::open(router.addr).await;
+    for id in ["bad-head-1", "bad-head-2"] {
+        client
+            .send(&post(
+                "/v1/completions",
+                &[("x-request-id", id)],
+                TOKEN_BODY,
+            ))
+            .await;
+        let resp = client.read_response().await;
+        assert_eq!(resp.head.status, 502, "{id}: {:?}", resp.head.headers);
+        assert_eq!(resp.head.request_id(), id);
+        let error = resp.json();
+        assert_eq!(error["error"]["code"], "bad_gateway", "{error}");
+        assert!(error["error"]["message"].is_string(), "{error}");
+    }
+    assert_eq!(
+        engine.posts().len(),
+        2,
+        "a framing error is not retried (the engine may have taken the request)"
+    );
+    drop(client);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2c_prior_knowledge_connection_is_served_by_the_general_server() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let stream = TcpStream::connect(router.addr).await.expect("connect");
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .expect("h2 handshake with the router");
+    let driver = tokio::spawn(connection);
+    for (id, prompt) in [("h2-first", vec![1, 2]), ("h2-second", vec![1, 2, 3])] {
+        let request = hyper::Request::post(format!("http://{}/v1/completions", router.addr))
+            .header("content-type", "application/json")
+            .header("x-request-id", id)
+            .body(http_body_util::Full::new(bytes::Bytes::from(
+                completion_body(&prompt),
+            )))
+            .expect("request");
+        let resp = tokio::time::timeout(IO_DEADLINE, sender.send_request(request))
+            .await
+            .expect("an h2 answer in time")
+            .expect("h2 request");
+        assert_eq!(resp.status(), 200, "{id}");
+        assert_eq!(resp.version(), hyper::Version::HTTP_2);
+        assert_eq!(resp.headers()["x-request-id"], id);
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .expect("h2 body")
+            .to_bytes();
+        let answer: Value = serde_json::from_slice(&body).expect("JSON");
+        assert_eq!(answer["usage"]["prompt_tokens"], prompt.len(), "{answer}");
+    }
+    drop(sender);
+    driver.abort();
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_at_shutdown_is_answered_with_connection_close_then_closed() {
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let gate = release.clone();
+    let engine = StandIn::start(move |_| Answer {
+        gate: Some(gate.clone()),
+        pieces: vec![json_answer(r#"{"finished":true}"#)],
+        then: AfterAnswer::KeepAlive,
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    let mut client = Conn::open(router.addr).await;
+    client
+        .send(&post(
+            "/v1/completions",
+            &[("x-request-id", "in-flight")],
+            TOKEN_BODY,
+        ))
+        .await;
+    wait_until("the request to reach the engine", WAIT_DEADLINE, || {
+        let posts = engine.posts().len();
+        async move {
+            if posts == 1 {
+                Ok(())
+            } else {
+                Err(format!("{posts} requests at the engine"))
+            }
+        }
+    })
+    .await;
+    let state = router.router.clone();
+    let shutting_down = tokio::spawn(router.shutdown());
+    wait_until("shutdown to begin", WAIT_DEADLINE, || {
+        let begun = state.shutdown.is_cancelled();
+        async move { if begun { Ok(()) } else { Err("not yet".into()) } }
+    })
+    .await;
+    release.add_permits(1);
+    let resp = client.read_response().await;
+    assert_eq!(resp.head.status, 200);
+    assert_eq!(resp.json()["finished"], true);
+    assert!(
+        resp.head.says_close(),
+        "the answer tells the client the connection ends: {:?}",
+        resp.head.headers
+    );
+    client
+        .expect_closed("the last answer before shutdown")
+        .await;
+    tokio::time::timeout(WAIT_DEADLINE, shutting_down)
+        .await
+        .expect("shutdown returns once the last request is answered")
+        .expect("shutdown task");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_204_from_the_engine_reaches_the_client_without_a_content_length() {
+    // RFC 9110 8.6: a server MUST NOT send Content-Length in a 204 response.
+    let engine = StandIn::start(|_| Answer {
+        gate: None,
+        pieces: vec![b"HTTP/1.1 204 No Content\r\n\r\n".to_vec()],
+        then: AfterAnswer::KeepAlive,
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    for (server, request) in [
+        (
+            "general server",
+            chunked_post("/v1/completions", TOKEN_BODY),
+        ),
+        ("fast path", post("/v1/completions", &[], TOKEN_BODY)),
+    ] {
+        let mut client = Conn::open(router.addr).await;
+        client.send(&request).await;
+        let head = client.read_head().await;
+        assert_eq!(head.status, 204, "{server}: {:?}", head.headers);
+        assert!(
+            head.header("content-length").is_none() && !head.is_chunked(),
+            "{server}: a 204 carries no framing header: {:?}",
+            head.headers
+        );
+    }
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_answer_with_an_invalid_status_code_is_a_502_on_both_servers() {
+    let engine = StandIn::start(|_| Answer {
+        gate: None,
+        pieces: vec![b"HTTP/1.1 099 Odd\r\ncontent-length: 2\r\n\r\n{}".to_vec()],
+        then: AfterAnswer::KeepAlive,
+    })
+    .await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    for (server, request) in [
+        (
+            "general server",
+            chunked_post("/v1/completions", TOKEN_BODY),
+        ),
+        ("fast path", post("/v1/completions", &[], TOKEN_BODY)),
+    ] {
+        let mut client = Conn::open(router.addr).await;
+        client.send(&request).await;
+        // `read_head` fails the test on a status line that is not valid HTTP/1.1.
+        let head = client.read_head().await;
+        assert_eq!(head.status, 502, "{server}: {:?}", head.headers);
+    }
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_keep_alive_connections_close_at_shutdown_on_both_servers() {
+    let fleet = fleet(1, 1, "m").await;
+    let grace = Duration::from_secs(8);
+    let cfg = RouterConfig {
+        shutdown_grace_ms: grace.as_millis() as u64,
+        ..router_config(&urls(&fleet))
+    };
+    let router = kvroute::serve(cfg).await.unwrap();
+    let mut fast = Conn::open(router.addr).await;
+    fast.send(&post("/v1/completions", &[], &completion_body(&[1])))
+        .await;
+    assert_eq!(fast.read_response().await.head.status, 200);
+    let mut general = Conn::open(router.addr).await;
+    general
+        .send(b"GET /healthz HTTP/1.1\r\nHost: router\r\n\r\n")
+        .await;
+    assert_eq!(general.read_response().await.head.status, 200);
+
+    let started = std::time::Instant::now();
+    let shutting_down = tokio::spawn(router.shutdown());
+    fast.expect_closed("shutdown, on an idle fast-path connection")
+        .await;
+    general
+        .expect_closed("shutdown, on an idle connection served by hyper")
+        .await;
+    tokio::time::timeout(WAIT_DEADLINE, shutting_down)
+        .await
+        .expect("shutdown returns")
+        .expect("shutdown task");
+    assert!(
+        started.elapsed() < grace,
+        "idle connections must not hold shutdown for its grace period: took {:?}",
+        started.elapsed()
+    );
+    fleet.shutdown().await;
+}
