@@ -149,7 +149,10 @@ async fn serve_request(
     if head.content_length > limit_bytes as u64 {
         // The body is not read, so the connection cannot carry another request.
         let e = ApiError::BodyTooLarge { limit_bytes };
-        write_error(ctx, stream, endpoint, &request_id, &e, true).await;
+        if write_error(ctx, stream, endpoint, &request_id, &e, true).await {
+            let announced = head.head_len as u64 + head.content_length;
+            linger_before_close(stream, announced.saturating_sub(buf.len() as u64)).await;
+        }
         return After::Close;
     }
     let total = head.head_len + head.content_length as usize;
@@ -329,6 +332,30 @@ async fn write_error(
     count_request(&ctx.router, endpoint, status);
     stream.write_all(&out).await.is_ok()
 }
+
+/// Reads and drops what a client is still sending of a refused body (at most
+/// [`LINGER_DRAIN_MAX_BYTES`], for at most [`LINGER_MAX_MS`]) before the connection is closed.
+///
+/// Why: closing a socket that still has unread input makes the kernel send a reset, and a
+/// reset can destroy the 413 in flight before the client reads it, so a client that is still
+/// uploading would see a broken connection instead of the answer (a lingering close, as nginx
+/// does). Bounded both ways, so a client cannot hold the connection open by sending forever.
+async fn linger_before_close(stream: &mut TcpStream, remaining_bytes: u64) {
+    let mut left = remaining_bytes.min(LINGER_DRAIN_MAX_BYTES);
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(LINGER_MAX_MS);
+    let mut sink = vec![0u8; CLIENT_READ_CHUNK_BYTES];
+    while left > 0 {
+        match tokio::time::timeout_at(deadline, stream.read(&mut sink)).await {
+            Ok(Ok(n)) if n > 0 => left = left.saturating_sub(n as u64),
+            _ => return,
+        }
+    }
+}
+
+/// Most bytes of a refused body read (and dropped) before the connection is closed.
+pub const LINGER_DRAIN_MAX_BYTES: u64 = 16 * 1024 * 1024;
+/// Longest wait for the rest of a refused body before the connection is closed anyway.
+pub const LINGER_MAX_MS: u64 = 2_000;
 
 /// Resolves when the client has closed or reset its connection. Bytes it sends meanwhile (a
 /// pipelined next request) are appended to `buf`; past [`PIPELINED_BYTES_MAX`] the client is no

@@ -237,7 +237,7 @@ impl UpstreamClient {
         body: &[u8],
     ) -> Result<UpstreamResponse, UpstreamError> {
         let target = parse_base_url(base_url)?;
-        let mut request = Vec::with_capacity(256 + body.len());
+        let mut head = Vec::with_capacity(256);
         let target_path;
         let request_target = if target.prefix.is_empty() {
             path
@@ -246,13 +246,12 @@ impl UpstreamClient {
             &target_path
         };
         h1::encode_request_head(
-            &mut request,
+            &mut head,
             request_target,
             target.authority,
             body.len(),
             headers,
         );
-        request.extend_from_slice(body);
 
         let mut pooled = self.inner.checkout(base_url);
         loop {
@@ -261,7 +260,7 @@ impl UpstreamClient {
                 Some(s) => s,
                 None => self.connect(target.authority).await?,
             };
-            match exchange(&mut stream, &request).await {
+            match exchange(&mut stream, &head, body).await {
                 Ok((head, buf)) => {
                     let framing = match head.framing {
                         BodyFraming::Empty => BodyState::Done,
@@ -319,13 +318,15 @@ enum ExchangeError {
     Framing(h1::FramingError),
 }
 
-/// Writes the request and reads up to the end of the final (non-1xx) response head; returns
-/// the head and the bytes read past it.
+/// Writes the request (head and body in one vectored write, so the body is never copied) and
+/// reads up to the end of the final (non-1xx) response head; returns the head and the bytes
+/// read past it.
 async fn exchange(
     stream: &mut TcpStream,
-    request: &[u8],
+    head: &[u8],
+    body: &[u8],
 ) -> Result<(h1::ResponseHead, BytesMut), ExchangeError> {
-    if let Err(e) = stream.write_all(request).await {
+    if let Err(e) = write_all_vectored(stream, head, body).await {
         return Err(ExchangeError::ClosedBeforeResponse(e.to_string()));
     }
     let mut buf = BytesMut::with_capacity(UPSTREAM_READ_CHUNK_BYTES);
@@ -360,6 +361,23 @@ async fn exchange(
             Err(e) => return Err(ExchangeError::Io(e)),
         }
     }
+}
+
+async fn write_all_vectored(
+    stream: &mut TcpStream,
+    head: &[u8],
+    body: &[u8],
+) -> std::io::Result<()> {
+    let mut slices = [std::io::IoSlice::new(head), std::io::IoSlice::new(body)];
+    let mut remaining: &mut [std::io::IoSlice<'_>] = &mut slices;
+    while !remaining.is_empty() {
+        let written = stream.write_vectored(remaining).await?;
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut remaining, written);
+    }
+    Ok(())
 }
 
 async fn read_some(stream: &mut TcpStream, buf: &mut BytesMut) -> std::io::Result<usize> {

@@ -1643,3 +1643,42 @@ async fn idle_keep_alive_connections_close_at_shutdown_on_both_servers() {
     );
     fleet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_still_uploading_a_refused_body_reads_the_413_not_a_reset() {
+    // Without a lingering close the router would close a socket with megabytes of unread input,
+    // the kernel would answer with a reset, and the reset would discard the 413 before the
+    // client (still busy writing its body) reads it.
+    let fleet = fleet(1, 1, "m").await;
+    let cfg = RouterConfig {
+        max_body_bytes: 64 * 1024,
+        ..router_config(&urls(&fleet))
+    };
+    let router = kvroute::serve(cfg).await.unwrap();
+    let body_len = 3 * 1024 * 1024;
+    let mut stream = TcpStream::connect(router.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {body_len}\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let chunk = vec![b' '; 64 * 1024];
+    let mut written = 0;
+    while written < body_len {
+        if let Err(e) = stream.write_all(&chunk).await {
+            panic!("the router reset the connection after {written} body bytes: {e}");
+        }
+        written += chunk.len();
+    }
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(WAIT_DEADLINE, stream.read_to_end(&mut answer))
+        .await
+        .expect("the router closes after the 413");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        read.is_ok() && text.starts_with("HTTP/1.1 413"),
+        "expected the 413 then a clean close, got {read:?} and {text:?}"
+    );
+    assert!(text.contains("body_too_large"), "{text}");
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
