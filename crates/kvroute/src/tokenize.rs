@@ -178,6 +178,10 @@ pub struct ModelTokenizer {
     renders: AtomicU64,
     chats_seen: AtomicU64,
     segmented_disabled: AtomicBool,
+    /// Set while a periodic verification runs in the background (at most one per model).
+    verifying: AtomicBool,
+    /// Periodic verifications completed, for tests.
+    verifications_done: AtomicU64,
     pub path: PathBuf,
 }
 
@@ -257,6 +261,8 @@ impl ModelTokenizer {
             renders: AtomicU64::new(0),
             chats_seen: AtomicU64::new(0),
             segmented_disabled: AtomicBool::new(false),
+            verifying: AtomicBool::new(false),
+            verifications_done: AtomicU64::new(0),
             path: file,
         })
     }
@@ -314,7 +320,7 @@ impl ModelTokenizer {
 
     /// Tokenizes a chat with the per-segment cache (see the module doc for why it is exact).
     pub fn encode_chat(
-        &self,
+        self: &Arc<Self>,
         messages: &[Value],
     ) -> Result<(Vec<u32>, ChatTokenization), TokenizeError> {
         validate_messages(messages)?;
@@ -331,19 +337,73 @@ impl ModelTokenizer {
             return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
         };
         let n = self.chats_seen.fetch_add(1, Ordering::Relaxed);
-        if n < VERIFY_FIRST_CHATS || n.is_multiple_of(VERIFY_EVERY_NTH_CHAT) {
-            let whole = self.encode_chat_whole(messages)?;
-            if whole != tokens {
-                tracing::warn!(
-                    tokenizer = %self.path.display(),
-                    "segmented chat tokenization differs from whole-text tokenization; \
-                     disabling the segment cache for this model"
-                );
-                self.segmented_disabled.store(true, Ordering::Relaxed);
-                return Ok((whole, ChatTokenization::Whole));
+        if n < VERIFY_FIRST_CHATS {
+            // The first chats are checked before they are used, so a template that breaks the
+            // segment assumption is caught before it steers more than a handful of requests.
+            if !self.agrees_with_whole(messages, &tokens)? {
+                return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
             }
+        } else if n.is_multiple_of(VERIFY_EVERY_NTH_CHAT) {
+            self.verify_aside(messages, &tokens);
         }
         Ok((tokens, how))
+    }
+
+    /// True when `segmented` equals the whole-text tokenization; on a mismatch the segment cache
+    /// is disabled for this model.
+    fn agrees_with_whole(
+        &self,
+        messages: &[Value],
+        segmented: &[u32],
+    ) -> Result<bool, TokenizeError> {
+        let whole = self.encode_chat_whole(messages)?;
+        if whole != segmented {
+            tracing::warn!(
+                tokenizer = %self.path.display(),
+                "segmented chat tokenization differs from whole-text tokenization; \
+                 disabling the segment cache for this model"
+            );
+            self.segmented_disabled.store(true, Ordering::Relaxed);
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// The periodic check, run on the blocking pool instead of the request's thread.
+    ///
+    /// Why: tokenizing a long chat whole costs milliseconds, and done inline on a data-plane
+    /// thread it delayed this request and every request queued behind it on that thread (one
+    /// chat in 256: the chat row's p99 of ~+1.8 ms and p99.9 of ~8 ms, docs/BENCHMARKS.md). This
+    /// request routes on its segmented tokens either way (a chat's token ids only steer routing;
+    /// its body is forwarded as the client sent it), so the check can run aside; a mismatch
+    /// disables the cache for the requests after it. At most one check runs per model; a
+    /// sample that comes while one runs is skipped. Outside a tokio runtime it runs inline.
+    fn verify_aside(self: &Arc<Self>, messages: &[Value], segmented: &[u32]) {
+        if self.verifying.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let check = {
+            let me = self.clone();
+            let (messages, segmented) = (messages.to_vec(), segmented.to_vec());
+            move || {
+                if let Err(e) = me.agrees_with_whole(&messages, &segmented) {
+                    tracing::debug!(error = %e, "periodic chat tokenization check failed to run");
+                }
+                me.verifications_done.fetch_add(1, Ordering::Relaxed);
+                me.verifying.store(false, Ordering::Release);
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn_blocking(check);
+            }
+            Err(_) => check(),
+        }
+    }
+
+    /// Periodic (background) verifications completed so far.
+    pub fn verifications_done(&self) -> u64 {
+        self.verifications_done.load(Ordering::Relaxed)
     }
 
     /// `None` when the template is not prefix-stable for these messages.
@@ -573,10 +633,35 @@ mod real_tokenizer_tests {
     use rand::{Rng, SeedableRng};
     use serde_json::json;
 
-    fn shipped() -> ModelTokenizer {
+    fn shipped() -> Arc<ModelTokenizer> {
         let path =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
-        ModelTokenizer::load(&path, 1024).expect("shipped tokenizer loads")
+        Arc::new(ModelTokenizer::load(&path, 1024).expect("shipped tokenizer loads"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_sampled_chat_past_the_first_ones_is_checked_on_the_blocking_pool() {
+        let tok = shipped();
+        let messages = vec![
+            json!({"role": "system", "content": "Be brief. ".repeat(10)}),
+            json!({"role": "user", "content": "hello there"}),
+        ];
+        // Chats 0..32 are checked inline; chat number VERIFY_EVERY_NTH_CHAT is the first
+        // sampled one after them, and its check is handed to the blocking pool.
+        for _ in 0..=VERIFY_EVERY_NTH_CHAT {
+            tok.encode_chat(&messages).unwrap();
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while tok.verifications_done() < 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "waited 10 s for the background check; done = {}",
+                tok.verifications_done()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert_eq!(tok.verifications_done(), 1, "exactly one sampled chat");
+        assert!(tok.segmented_enabled(), "ChatML passes the check");
     }
 
     const WORDS: &[&str] = &[
@@ -718,7 +803,7 @@ mod real_tokenizer_tests {
         let mut tok = shipped();
         // Renders the message count first: a one-message rendering ("1[a]") is cached by the
         // first request, and the two-message rendering ("2[a][b]") does not start with it.
-        tok.template = Some(count_first_template());
+        Arc::get_mut(&mut tok).expect("sole owner").template = Some(count_first_template());
         let one = vec![json!({"role": "user", "content": "a"})];
         let (_, how) = tok.encode_chat(&one).unwrap();
         assert!(matches!(how, ChatTokenization::Segmented { .. }));
@@ -732,7 +817,7 @@ mod real_tokenizer_tests {
     fn a_template_that_is_not_prefix_stable_falls_back_to_whole_tokenization() {
         let mut tok = shipped();
         // Renders the message count first, so a prefix rendering is never a prefix of the next.
-        tok.template = Some(count_first_template());
+        Arc::get_mut(&mut tok).expect("sole owner").template = Some(count_first_template());
         let msgs = vec![
             json!({"role": "user", "content": "a"}),
             json!({"role": "user", "content": "b"}),
@@ -752,7 +837,7 @@ mod budget_tests {
     fn a_conversation_over_the_render_budget_is_tokenized_whole() {
         let path =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
-        let tok = ModelTokenizer::load(&path, 1024).unwrap();
+        let tok = Arc::new(ModelTokenizer::load(&path, 1024).unwrap());
         // Each message counts as its content + 16 bytes; 1,500 empty messages are 1,500 x 24,000
         // = 36 MB of prefix rendering, over the budget, while the whole text is only ~30 KB.
         let msgs: Vec<Value> = (0..1_500)
