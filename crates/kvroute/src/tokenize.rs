@@ -14,7 +14,9 @@
 //! pre-tokenizer always splits at) on those boundaries, so this holds for ordinary templates. It
 //! is not assumed: the first [`VERIFY_FIRST_CHATS`] chats of a model, and one in
 //! [`VERIFY_EVERY_NTH_CHAT`] after that, are also tokenized whole and compared; one mismatch
-//! switches that model to whole-text tokenization for good. If a template's rendering of a prefix
+//! switches that model to whole-text tokenization for good. The first ones are checked before
+//! they are used; the periodic ones on the blocking pool, off the request's thread (a whole
+//! tokenization costs milliseconds and would stall every request queued behind it). If a template's rendering of a prefix
 //! is not a prefix of the longer rendering (templates that look at the last message), that request
 //! is tokenized whole.
 //!
