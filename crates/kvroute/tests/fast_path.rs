@@ -36,6 +36,8 @@ const PIECE_PAUSE: Duration = Duration::from_millis(10);
 const ENGINE_IDLE_CLOSE: Duration = Duration::from_millis(100);
 /// A token-id completion body: the router forwards such a body byte for byte to a non-DP engine.
 const TOKEN_BODY: &[u8] = br#"{"model":"m","prompt":[1,2,3],"max_tokens":1}"#;
+/// A request only the general server (hyper) answers: the fast path hands the connection over.
+const HEALTH_GET: &[u8] = b"GET /healthz HTTP/1.1\r\nHost: router\r\n\r\n";
 
 // ---------------------------------------------------------------------------------------------
 // Raw client side.
@@ -252,6 +254,18 @@ impl Conn {
         Response { head, body }
     }
 
+    /// Sends `request` and reads the whole answer to it.
+    async fn ask(&mut self, request: &[u8]) -> Response {
+        self.send(request).await;
+        self.read_response().await
+    }
+
+    /// Sends `request` and reads only the head of the answer.
+    async fn ask_head(&mut self, request: &[u8]) -> Head {
+        self.send(request).await;
+        self.read_head().await
+    }
+
     /// The router must close the connection now, with nothing more sent.
     async fn expect_closed(&mut self, after: &str) {
         assert!(
@@ -267,6 +281,20 @@ impl Conn {
             String::from_utf8_lossy(&self.buf)
         );
     }
+}
+
+/// Checks that `resp` is the 200 answer to the request whose id is `id`, computed from a prompt
+/// of `prompt_tokens` tokens (the simulated engine reports the count it saw); `why` says what a
+/// mismatch would mean.
+fn assert_completion(resp: &Response, id: &str, prompt_tokens: usize, why: &str) {
+    assert_eq!(resp.head.status, 200, "{id}: {}", resp.json());
+    assert_eq!(resp.head.request_id(), id, "{why}");
+    assert_eq!(
+        resp.json()["usage"]["prompt_tokens"],
+        prompt_tokens,
+        "{id}: {why}: {}",
+        resp.json()
+    );
 }
 
 /// A `POST` with a `Content-Length` body and `extra` headers.
@@ -285,6 +313,17 @@ fn post(path: &str, extra: &[(&str, &str)], body: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A completion `POST` (length-framed, so the fast path takes it) carrying `id` as its
+/// `x-request-id`.
+fn completion_post(id: &str, body: &[u8]) -> Vec<u8> {
+    post("/v1/completions", &[("x-request-id", id)], body)
+}
+
+/// A token-id completion with no extra headers, length-framed so the fast path takes it.
+fn token_completion() -> Vec<u8> {
+    post("/v1/completions", &[], TOKEN_BODY)
+}
+
 /// A `POST` whose body is one chunk: the fast path does not take it, so the general server
 /// (hyper) answers; used to compare the two servers on the same engine answer.
 fn chunked_post(path: &str, body: &[u8]) -> Vec<u8> {
@@ -297,6 +336,19 @@ fn chunked_post(path: &str, body: &[u8]) -> Vec<u8> {
     out.extend_from_slice(body);
     out.extend_from_slice(b"\r\n0\r\n\r\n");
     out
+}
+
+/// The same token-id completion for each of the router's two HTTP/1.1 servers, with the
+/// server's name: chunked, so the general server (hyper) takes it, and length-framed, so the
+/// fast path does.
+fn token_completion_on_both_servers() -> [(&'static str, Vec<u8>); 2] {
+    [
+        (
+            "general server",
+            chunked_post("/v1/completions", TOKEN_BODY),
+        ),
+        ("fast path", token_completion()),
+    ]
 }
 
 fn completion_body(prompt: &[u32]) -> Vec<u8> {
@@ -316,6 +368,17 @@ struct Answer {
     /// Written in order, [`PIECE_PAUSE`] apart.
     pieces: Vec<Vec<u8>>,
     then: AfterAnswer,
+}
+
+impl Answer {
+    /// `pieces` written as soon as the request is read, then `then`.
+    fn new(pieces: Vec<Vec<u8>>, then: AfterAnswer) -> Answer {
+        Answer {
+            gate: None,
+            pieces,
+            then,
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -452,6 +515,30 @@ impl StandIn {
                 }
                 _ => None,
             })
+            .collect()
+    }
+
+    /// Waits (up to [`WAIT_DEADLINE`]) until exactly `count` POSTs have reached the engine.
+    async fn wait_for_posts(&self, count: usize, what: &str) {
+        wait_until(what, WAIT_DEADLINE, || {
+            let posts = self.posts().len();
+            async move {
+                if posts == count {
+                    Ok(())
+                } else {
+                    Err(format!("{posts} requests at the engine"))
+                }
+            }
+        })
+        .await;
+    }
+
+    /// Which engine connection (as in [`StandIn::posts`]) carried each POST, and its
+    /// `x-request-id`.
+    fn post_connections_and_ids(&self) -> Vec<(usize, Option<String>)> {
+        self.posts()
+            .iter()
+            .map(|p| (p.conn, p.header("x-request-id").map(str::to_string)))
             .collect()
     }
 
@@ -612,39 +699,60 @@ fn stand_in_router_config(engine: &StandIn) -> RouterConfig {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Set-ups shared by the tests, so each test states only what it checks.
+
+/// One simulated engine (model `m`) and a router on it: the fleet wherever a well-behaved
+/// engine is enough.
+async fn sim_engine_and_router() -> (kvroute_sim::Fleet, kvroute::RouterHandle) {
+    let fleet = fleet(1, 1, "m").await;
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    (fleet, router)
+}
+
+/// Ends a test on [`sim_engine_and_router`]: the client goes first, so the router's shutdown
+/// waits for no open connection.
+async fn shut_down(client: Conn, router: kvroute::RouterHandle, fleet: kvroute_sim::Fleet) {
+    drop(client);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// A stand-in engine answering the n-th POST with `answer(n)`, and a router on it alone. Keep the
+/// engine bound to the end of the test (`_engine` at the least): dropping it stops it.
+async fn stand_in_and_router(
+    answer: impl Fn(usize) -> Answer + Send + Sync + 'static,
+) -> (StandIn, kvroute::RouterHandle) {
+    let engine = StandIn::start(answer).await;
+    let router = kvroute::serve(stand_in_router_config(&engine))
+        .await
+        .unwrap();
+    (engine, router)
+}
+
+// ---------------------------------------------------------------------------------------------
 // Tests.
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_pipelined_requests_on_one_connection_get_two_answers_in_order() {
-    let fleet = fleet(1, 1, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let (fleet, router) = sim_engine_and_router().await;
     let mut client = Conn::open(router.addr).await;
     // Different prompt lengths, so each answer shows which request it belongs to.
-    let mut both = post(
-        "/v1/completions",
-        &[("x-request-id", "pipelined-first")],
-        &completion_body(&[1, 2, 3]),
-    );
-    both.extend(post(
-        "/v1/completions",
-        &[("x-request-id", "pipelined-second")],
+    let mut both = completion_post("pipelined-first", &completion_body(&[1, 2, 3]));
+    both.extend(completion_post(
+        "pipelined-second",
         &completion_body(&[4, 5, 6, 7, 8]),
     ));
     client.send(&both).await;
     for (id, prompt_tokens) in [("pipelined-first", 3), ("pipelined-second", 5)] {
         let resp = client.read_response().await;
-        assert_eq!(resp.head.status, 200, "{id}: {}", resp.json());
-        assert_eq!(resp.head.request_id(), id, "answers must come in order");
-        assert_eq!(
-            resp.json()["usage"]["prompt_tokens"],
+        assert_completion(
+            &resp,
+            id,
             prompt_tokens,
-            "{id} answered with another request's result: {}",
-            resp.json()
+            "answers must come in order, each with its own request's result",
         );
     }
-    drop(client);
-    router.shutdown().await;
-    fleet.shutdown().await;
+    shut_down(client, router, fleet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -653,44 +761,19 @@ async fn a_request_pipelined_while_the_previous_one_waits_for_the_engine_is_answ
     // sent while the router waits for the engine with the client socket watched.
     let release = Arc::new(tokio::sync::Semaphore::new(0));
     let gate = release.clone();
-    let engine = StandIn::start(move |n| Answer {
+    let (engine, router) = stand_in_and_router(move |n| Answer {
         gate: (n == 0).then(|| gate.clone()),
         pieces: vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
         then: AfterAnswer::KeepAlive,
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
     let mut client = Conn::open(router.addr).await;
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", "held")],
-            TOKEN_BODY,
-        ))
+    client.send(&completion_post("held", TOKEN_BODY)).await;
+    engine
+        .wait_for_posts(1, "the first request to reach the engine")
         .await;
-    wait_until(
-        "the first request to reach the engine",
-        WAIT_DEADLINE,
-        || {
-            let posts = engine.posts().len();
-            async move {
-                if posts == 1 {
-                    Ok(())
-                } else {
-                    Err(format!("{posts} requests at the engine"))
-                }
-            }
-        },
-    )
-    .await;
     client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", "pipelined-behind")],
-            TOKEN_BODY,
-        ))
+        .send(&completion_post("pipelined-behind", TOKEN_BODY))
         .await;
     release.add_permits(1);
     for (id, answer) in [("held", 0), ("pipelined-behind", 1)] {
@@ -718,54 +801,41 @@ async fn a_request_pipelined_while_the_previous_one_waits_for_the_engine_is_answ
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_switches_to_the_general_server_after_a_request_the_fast_path_does_not_take() {
-    let fleet = fleet(1, 1, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let (fleet, router) = sim_engine_and_router().await;
     let mut client = Conn::open(router.addr).await;
 
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", "before-switch")],
+    let first = client
+        .ask(&completion_post(
+            "before-switch",
             &completion_body(&[1, 2, 3]),
         ))
         .await;
-    let first = client.read_response().await;
     assert_eq!(first.head.status, 200, "{}", first.json());
     assert_eq!(first.head.request_id(), "before-switch");
     assert!(!first.head.says_close(), "{:?}", first.head.headers);
 
-    client
-        .send(b"GET /healthz HTTP/1.1\r\nHost: router\r\n\r\n")
-        .await;
-    let health = client.read_response().await;
+    let health = client.ask(HEALTH_GET).await;
     assert_eq!(health.head.status, 200);
     assert_eq!(health.body, b"ok", "the general server's /healthz answer");
 
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", "after-switch")],
+    let third = client
+        .ask(&completion_post(
+            "after-switch",
             &completion_body(&[4, 5, 6, 7]),
         ))
         .await;
-    let third = client.read_response().await;
-    assert_eq!(third.head.status, 200, "{}", third.json());
-    assert_eq!(third.head.request_id(), "after-switch");
-    assert_eq!(
-        third.json()["usage"]["prompt_tokens"],
+    assert_completion(
+        &third,
+        "after-switch",
         4,
-        "{}",
-        third.json()
+        "a fast-path request after the switch is still answered",
     );
-    drop(client);
-    router.shutdown().await;
-    fleet.shutdown().await;
+    shut_down(client, router, fleet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunked_request_body_is_served_through_the_general_server() {
-    let fleet = fleet(1, 1, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let (fleet, router) = sim_engine_and_router().await;
     let mut client = Conn::open(router.addr).await;
     let body = completion_body(&[9, 8, 7, 6, 5, 4]);
     let (a, b) = body.split_at(body.len() / 2);
@@ -779,25 +849,19 @@ async fn a_chunked_request_body_is_served_through_the_general_server() {
         request.extend_from_slice(b"\r\n");
     }
     request.extend_from_slice(b"0\r\n\r\n");
-    client.send(&request).await;
-    let resp = client.read_response().await;
-    assert_eq!(resp.head.status, 200, "{}", resp.json());
-    assert_eq!(resp.head.request_id(), "chunked-upload");
-    assert_eq!(
-        resp.json()["usage"]["prompt_tokens"],
+    let resp = client.ask(&request).await;
+    assert_completion(
+        &resp,
+        "chunked-upload",
         6,
-        "the whole chunked body reached the engine: {}",
-        resp.json()
+        "the whole chunked body reached the engine",
     );
-    drop(client);
-    router.shutdown().await;
-    fleet.shutdown().await;
+    shut_down(client, router, fleet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http_1_0_request_and_expect_100_continue_are_answered() {
-    let fleet = fleet(1, 1, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let (fleet, router) = sim_engine_and_router().await;
 
     // HTTP/1.0: answered without chunked framing (a 1.0 client cannot decode it), then closed
     // (no keep-alive was asked for).
@@ -810,8 +874,7 @@ async fn an_http_1_0_request_and_expect_100_continue_are_answered() {
     )
     .into_bytes();
     request.extend_from_slice(&body);
-    client.send(&request).await;
-    let head = client.read_head().await;
+    let head = client.ask_head(&request).await;
     assert_eq!(head.status, 200, "{:?}", head.headers);
     assert!(
         !head.is_chunked(),
@@ -831,21 +894,20 @@ async fn an_http_1_0_request_and_expect_100_continue_are_answered() {
          Content-Length: {}\r\nExpect: 100-continue\r\nx-request-id: expects\r\n\r\n",
         body.len()
     );
-    client.send(head_only.as_bytes()).await;
-    let interim = client.read_head().await;
+    let interim = client.ask_head(head_only.as_bytes()).await;
     assert_eq!(
         interim.status, 100,
         "the router must invite the body: {:?}",
         interim.headers
     );
-    client.send(&body).await;
-    let resp = client.read_response().await;
-    assert_eq!(resp.head.status, 200, "{}", resp.json());
-    assert_eq!(resp.head.request_id(), "expects");
-    assert_eq!(resp.json()["usage"]["prompt_tokens"], 3, "{}", resp.json());
-    drop(client);
-    router.shutdown().await;
-    fleet.shutdown().await;
+    let resp = client.ask(&body).await;
+    assert_completion(
+        &resp,
+        "expects",
+        3,
+        "the body sent after the 100 reached the engine",
+    );
+    shut_down(client, router, fleet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -858,13 +920,12 @@ async fn a_body_over_the_limit_gets_413_in_the_openai_shape_and_the_connection_c
     let router = kvroute::serve(cfg).await.unwrap();
     let mut client = Conn::open(router.addr).await;
     // Only the head: the router must answer without waiting for a body it will not read.
-    client
-        .send(
+    let resp = client
+        .ask(
             b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
               Content-Length: 1000000\r\nx-request-id: too-big\r\n\r\n",
         )
         .await;
-    let resp = client.read_response().await;
     assert_eq!(resp.head.status, 413, "{:?}", resp.head.headers);
     assert_eq!(resp.head.request_id(), "too-big");
     assert!(
@@ -891,17 +952,15 @@ async fn a_body_over_the_limit_gets_413_in_the_openai_shape_and_the_connection_c
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_close_from_the_client_closes_after_the_answer() {
-    let fleet = fleet(1, 1, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let (fleet, router) = sim_engine_and_router().await;
     let mut client = Conn::open(router.addr).await;
-    client
-        .send(&post(
+    let resp = client
+        .ask(&post(
             "/v1/completions",
             &[("Connection", "close")],
             &completion_body(&[1, 2]),
         ))
         .await;
-    let resp = client.read_response().await;
     assert_eq!(resp.head.status, 200, "{}", resp.json());
     assert!(resp.head.says_close(), "{:?}", resp.head.headers);
     assert_eq!(resp.json()["usage"]["prompt_tokens"], 2, "{}", resp.json());
@@ -915,28 +974,25 @@ async fn connection_close_from_the_client_closes_after_the_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chunked_engine_answer_reaches_the_client_chunked_and_complete() {
     // Chunk boundaries fall mid-line and mid-data; one chunk has an extension; a trailer ends it.
-    let engine = StandIn::start(|_| Answer {
-        gate: None,
-        pieces: vec![
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+    let (engine, router) = stand_in_and_router(|_| {
+        Answer::new(
+            vec![
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
               transfer-encoding: chunked\r\n\r\n"
-                .to_vec(),
-            b"6;note=first\r\ndata: \r\n".to_vec(),
-            b"1".to_vec(),
-            b"3\r\nhello, wor".to_vec(),
-            b"ld, again\r\n3\r\n!\n\n\r\n0\r\nx-engine-trailer: t\r\n".to_vec(),
-            b"\r\n".to_vec(),
-        ],
-        then: AfterAnswer::KeepAlive,
+                    .to_vec(),
+                b"6;note=first\r\ndata: \r\n".to_vec(),
+                b"1".to_vec(),
+                b"3\r\nhello, wor".to_vec(),
+                b"ld, again\r\n3\r\n!\n\n\r\n0\r\nx-engine-trailer: t\r\n".to_vec(),
+                b"\r\n".to_vec(),
+            ],
+            AfterAnswer::KeepAlive,
+        )
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
     let mut client = Conn::open(router.addr).await;
     for attempt in 0..2 {
-        client.send(&post("/v1/completions", &[], TOKEN_BODY)).await;
-        let resp = client.read_response().await;
+        let resp = client.ask(&token_completion()).await;
         assert_eq!(resp.head.status, 200, "attempt {attempt}");
         assert!(
             resp.head.is_chunked() && resp.head.header("content-length").is_none(),
@@ -968,23 +1024,20 @@ async fn a_chunked_engine_answer_reaches_the_client_chunked_and_complete() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_answer_framed_by_close_is_passed_through_whole() {
-    let engine = StandIn::start(|_| Answer {
-        gate: None,
-        pieces: vec![
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n".to_vec(),
-            br#"{"part":"one","#.to_vec(),
-            br#""rest":"two"}"#.to_vec(),
-        ],
-        then: AfterAnswer::Close,
+    let (engine, router) = stand_in_and_router(|_| {
+        Answer::new(
+            vec![
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n".to_vec(),
+                br#"{"part":"one","#.to_vec(),
+                br#""rest":"two"}"#.to_vec(),
+            ],
+            AfterAnswer::Close,
+        )
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
     let mut client = Conn::open(router.addr).await;
     for attempt in 0..2 {
-        client.send(&post("/v1/completions", &[], TOKEN_BODY)).await;
-        let resp = client.read_response().await;
+        let resp = client.ask(&token_completion()).await;
         assert_eq!(resp.head.status, 200, "attempt {attempt}");
         assert!(
             resp.head.is_chunked(),
@@ -1010,7 +1063,7 @@ async fn an_engine_answer_framed_by_close_is_passed_through_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() {
-    let engine = StandIn::start(|n| Answer {
+    let (engine, router) = stand_in_and_router(|n| Answer {
         gate: None,
         pieces: vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
         then: if n == 0 {
@@ -1020,18 +1073,10 @@ async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() 
         },
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
     let mut client = Conn::open(router.addr).await;
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", "before-idle-close")],
-            TOKEN_BODY,
-        ))
+    let first = client
+        .ask(&completion_post("before-idle-close", TOKEN_BODY))
         .await;
-    let first = client.read_response().await;
     assert_eq!(first.head.status, 200);
     assert_eq!(first.json()["answer"], 0);
     wait_until(
@@ -1059,14 +1104,9 @@ async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() 
         },
     )
     .await;
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", "after-idle-close")],
-            TOKEN_BODY,
-        ))
+    let second = client
+        .ask(&completion_post("after-idle-close", TOKEN_BODY))
         .await;
-    let second = client.read_response().await;
     assert_eq!(
         second.head.status,
         200,
@@ -1074,11 +1114,7 @@ async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() 
         String::from_utf8_lossy(&second.body)
     );
     assert_eq!(second.json()["answer"], 1);
-    let seen: Vec<(usize, Option<String>)> = engine
-        .posts()
-        .iter()
-        .map(|p| (p.conn, p.header("x-request-id").map(str::to_string)))
-        .collect();
+    let seen: Vec<(usize, Option<String>)> = engine.post_connections_and_ids();
     assert_eq!(
         seen,
         vec![
@@ -1095,32 +1131,17 @@ async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() 
 async fn a_request_the_engine_drops_unanswered_on_a_reused_connection_is_retried_on_a_fresh_one() {
     // The close racing the request: the engine reads the request on the pooled connection and
     // closes it without a byte of answer, so nothing was taken and one retry is safe.
-    let engine = StandIn::start(|n| match n {
-        1 => Answer {
-            gate: None,
-            pieces: Vec::new(),
-            then: AfterAnswer::Close,
-        },
-        _ => Answer {
-            gate: None,
-            pieces: vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
-            then: AfterAnswer::KeepAlive,
-        },
+    let (engine, router) = stand_in_and_router(|n| match n {
+        1 => Answer::new(Vec::new(), AfterAnswer::Close),
+        _ => Answer::new(
+            vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
+            AfterAnswer::KeepAlive,
+        ),
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
     let mut client = Conn::open(router.addr).await;
     for (id, answer) in [("warm-up", 0), ("dropped-then-retried", 2)] {
-        client
-            .send(&post(
-                "/v1/completions",
-                &[("x-request-id", id)],
-                TOKEN_BODY,
-            ))
-            .await;
-        let resp = client.read_response().await;
+        let resp = client.ask(&completion_post(id, TOKEN_BODY)).await;
         assert_eq!(
             resp.head.status,
             200,
@@ -1129,11 +1150,7 @@ async fn a_request_the_engine_drops_unanswered_on_a_reused_connection_is_retried
         );
         assert_eq!(resp.json()["answer"], answer, "{id}");
     }
-    let seen: Vec<(usize, Option<String>)> = engine
-        .posts()
-        .iter()
-        .map(|p| (p.conn, p.header("x-request-id").map(str::to_string)))
-        .collect();
+    let seen: Vec<(usize, Option<String>)> = engine.post_connections_and_ids();
     let id = |s: &str| Some(s.to_string());
     assert_eq!(
         seen,
@@ -1151,24 +1168,16 @@ async fn a_request_the_engine_drops_unanswered_on_a_reused_connection_is_retried
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_body_cut_midway_cuts_the_client_connection() {
     // Head and the first 10 of 100 announced bytes in one write, then the engine closes.
-    let engine = StandIn::start(|_| {
+    let (_engine, router) = stand_in_and_router(|_| {
         let mut cut = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
             content-length: 100\r\n\r\n"
             .to_vec();
         cut.extend_from_slice(b"0123456789");
-        Answer {
-            gate: None,
-            pieces: vec![cut],
-            then: AfterAnswer::Close,
-        }
+        Answer::new(vec![cut], AfterAnswer::Close)
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
     let mut client = Conn::open(router.addr).await;
-    client.send(&post("/v1/completions", &[], TOKEN_BODY)).await;
-    let head = client.read_head().await;
+    let head = client.ask_head(&token_completion()).await;
     assert_eq!(head.status, 200, "{:?}", head.headers);
     assert_eq!(
         head.header("content-length"),
@@ -1186,19 +1195,13 @@ async fn an_engine_body_cut_midway_cuts_the_client_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_id_header_that_is_too_long_is_replaced() {
-    let fleet = fleet(1, 1, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let (fleet, router) = sim_engine_and_router().await;
     let mut client = Conn::open(router.addr).await;
 
     let longest = "k".repeat(128);
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", &longest)],
-            &completion_body(&[1]),
-        ))
+    let kept = client
+        .ask(&completion_post(&longest, &completion_body(&[1])))
         .await;
-    let kept = client.read_response().await;
     assert_eq!(kept.head.status, 200, "{}", kept.json());
     assert_eq!(
         kept.head.request_id(),
@@ -1207,14 +1210,9 @@ async fn a_request_id_header_that_is_too_long_is_replaced() {
     );
 
     let too_long = "k".repeat(129);
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", &too_long)],
-            &completion_body(&[1]),
-        ))
+    let replaced = client
+        .ask(&completion_post(&too_long, &completion_body(&[1])))
         .await;
-    let replaced = client.read_response().await;
     assert_eq!(replaced.head.status, 200, "{}", replaced.json());
     assert_eq!(replaced.head.header_count("x-request-id"), 1);
     let id = replaced.head.request_id();
@@ -1223,31 +1221,19 @@ async fn a_request_id_header_that_is_too_long_is_replaced() {
         id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()),
         "a generated id (32 hex digits) replaces it: {id:?}"
     );
-    drop(client);
-    router.shutdown().await;
-    fleet.shutdown().await;
+    shut_down(client, router, fleet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_engine_sees_the_request_id_and_the_dp_rank_headers() {
-    let engine = StandIn::start(|_| Answer {
-        gate: None,
-        pieces: vec![json_answer(r#"{"ok":true}"#)],
-        then: AfterAnswer::KeepAlive,
+    let (engine, router) = stand_in_and_router(|_| {
+        Answer::new(vec![json_answer(r#"{"ok":true}"#)], AfterAnswer::KeepAlive)
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
     let mut client = Conn::open(router.addr).await;
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", "seen-by-engine")],
-            TOKEN_BODY,
-        ))
+    let resp = client
+        .ask(&completion_post("seen-by-engine", TOKEN_BODY))
         .await;
-    let resp = client.read_response().await;
     assert_eq!(resp.head.status, 200);
     assert_eq!(resp.json()["ok"], true);
     let posts = engine.posts();
@@ -1289,118 +1275,96 @@ async fn the_engine_sees_the_request_id_and_the_dp_rank_headers() {
 async fn a_pipelined_request_the_fast_path_does_not_take_is_replayed_to_the_general_server() {
     // All three in one write: the GET (and the POST behind it) are already in the fast path's
     // buffer when it hands the connection to hyper, so they reach hyper only by the replay.
-    let fleet = fleet(1, 1, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let (fleet, router) = sim_engine_and_router().await;
     let mut client = Conn::open(router.addr).await;
-    let mut all = post(
-        "/v1/completions",
-        &[("x-request-id", "fast-one")],
-        &completion_body(&[1, 2]),
-    );
-    all.extend_from_slice(b"GET /healthz HTTP/1.1\r\nHost: router\r\n\r\n");
-    all.extend(post(
-        "/v1/completions",
-        &[("x-request-id", "replayed-one")],
+    let mut all = completion_post("fast-one", &completion_body(&[1, 2]));
+    all.extend_from_slice(HEALTH_GET);
+    all.extend(completion_post(
+        "replayed-one",
         &completion_body(&[1, 2, 3, 4, 5, 6, 7]),
     ));
-    client.send(&all).await;
-    let first = client.read_response().await;
-    assert_eq!(first.head.status, 200, "{}", first.json());
-    assert_eq!(first.head.request_id(), "fast-one");
-    assert_eq!(first.json()["usage"]["prompt_tokens"], 2);
+    let first = client.ask(&all).await;
+    assert_completion(
+        &first,
+        "fast-one",
+        2,
+        "the request before the hand-over is answered first",
+    );
     let health = client.read_response().await;
     assert_eq!(health.head.status, 200);
     assert_eq!(health.body, b"ok");
     let third = client.read_response().await;
-    assert_eq!(third.head.status, 200, "{}", third.json());
-    assert_eq!(third.head.request_id(), "replayed-one");
-    assert_eq!(
-        third.json()["usage"]["prompt_tokens"],
+    assert_completion(
+        &third,
+        "replayed-one",
         7,
-        "{}",
-        third.json()
+        "the request replayed to the general server is answered whole",
     );
-    drop(client);
-    router.shutdown().await;
-    fleet.shutdown().await;
+    shut_down(client, router, fleet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_trickled_in_small_pieces_is_reassembled() {
-    let fleet = fleet(1, 1, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let (fleet, router) = sim_engine_and_router().await;
     let mut client = Conn::open(router.addr).await;
     client.stream.set_nodelay(true).expect("nodelay");
-    let request = post(
-        "/v1/completions",
-        &[("x-request-id", "trickled")],
-        &completion_body(&[3, 1, 4, 1, 5]),
-    );
+    let request = completion_post("trickled", &completion_body(&[3, 1, 4, 1, 5]));
     // Pieces of 7 bytes split the request line, header lines, the blank line and the body.
     for piece in request.chunks(7) {
         client.send(piece).await;
         tokio::time::sleep(PIECE_PAUSE).await;
     }
     let resp = client.read_response().await;
-    assert_eq!(resp.head.status, 200, "{}", resp.json());
-    assert_eq!(resp.head.request_id(), "trickled");
-    assert_eq!(resp.json()["usage"]["prompt_tokens"], 5, "{}", resp.json());
-    drop(client);
-    router.shutdown().await;
-    fleet.shutdown().await;
+    assert_completion(
+        &resp,
+        "trickled",
+        5,
+        "the trickled request is reassembled whole",
+    );
+    shut_down(client, router, fleet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_answer_on_the_fast_path_keeps_the_connection_usable() {
-    let fleet = fleet(1, 1, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let (fleet, router) = sim_engine_and_router().await;
     let mut client = Conn::open(router.addr).await;
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", "no-such-model")],
+    let error = client
+        .ask(&completion_post(
+            "no-such-model",
             br#"{"model":"nope","prompt":[1]}"#,
         ))
         .await;
-    let error = client.read_response().await;
     assert_eq!(error.head.status, 404, "{}", error.json());
     assert_eq!(error.head.request_id(), "no-such-model");
     assert_eq!(error.json()["error"]["code"], "model_not_found");
     assert!(!error.head.says_close(), "{:?}", error.head.headers);
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", "after-error")],
+    let ok = client
+        .ask(&completion_post(
+            "after-error",
             &completion_body(&[1, 2, 3]),
         ))
         .await;
-    let ok = client.read_response().await;
     assert_eq!(ok.head.status, 200, "{}", ok.json());
     assert_eq!(ok.head.request_id(), "after-error");
-    drop(client);
-    router.shutdown().await;
-    fleet.shutdown().await;
+    shut_down(client, router, fleet).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_chunk_from_the_engine_cuts_the_client_connection_without_a_last_chunk() {
-    let engine = StandIn::start(|_| Answer {
-        gate: None,
-        pieces: vec![
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+    let (_engine, router) = stand_in_and_router(|_| {
+        Answer::new(
+            vec![
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
               transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"
-                .to_vec(),
-            b"zz\r\nnot a chunk\r\n".to_vec(),
-        ],
-        then: AfterAnswer::KeepAlive,
+                    .to_vec(),
+                b"zz\r\nnot a chunk\r\n".to_vec(),
+            ],
+            AfterAnswer::KeepAlive,
+        )
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
     let mut client = Conn::open(router.addr).await;
-    client.send(&post("/v1/completions", &[], TOKEN_BODY)).await;
-    let head = client.read_head().await;
+    let head = client.ask_head(&token_completion()).await;
     assert_eq!(head.status, 200, "{:?}", head.headers);
     assert!(head.is_chunked(), "{:?}", head.headers);
     let rest = client
@@ -1416,25 +1380,16 @@ async fn a_malformed_chunk_from_the_engine_cuts_the_client_connection_without_a_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_engine_head_is_a_502_in_the_openai_shape() {
-    let engine = StandIn::start(|_| Answer {
-        gate: None,
-        pieces: vec![b"HTTP/1.1 2x0 Fine\r\ncontent-length: 2\r\n\r\n{}".to_vec()],
-        then: AfterAnswer::KeepAlive,
+    let (engine, router) = stand_in_and_router(|_| {
+        Answer::new(
+            vec![b"HTTP/1.1 2x0 Fine\r\ncontent-length: 2\r\n\r\n{}".to_vec()],
+            AfterAnswer::KeepAlive,
+        )
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
     let mut client = Conn::open(router.addr).await;
     for id in ["bad-head-1", "bad-head-2"] {
-        client
-            .send(&post(
-                "/v1/completions",
-                &[("x-request-id", id)],
-                TOKEN_BODY,
-            ))
-            .await;
-        let resp = client.read_response().await;
+        let resp = client.ask(&completion_post(id, TOKEN_BODY)).await;
         assert_eq!(resp.head.status, 502, "{id}: {:?}", resp.head.headers);
         assert_eq!(resp.head.request_id(), id);
         let error = resp.json();
@@ -1452,8 +1407,7 @@ async fn a_malformed_engine_head_is_a_502_in_the_openai_shape() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_h2c_prior_knowledge_connection_is_served_by_the_general_server() {
-    let fleet = fleet(1, 1, "m").await;
-    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let (fleet, router) = sim_engine_and_router().await;
     let stream = TcpStream::connect(router.addr).await.expect("connect");
     let (mut sender, connection) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
@@ -1494,34 +1448,17 @@ async fn an_h2c_prior_knowledge_connection_is_served_by_the_general_server() {
 async fn a_request_in_flight_at_shutdown_is_answered_with_connection_close_then_closed() {
     let release = Arc::new(tokio::sync::Semaphore::new(0));
     let gate = release.clone();
-    let engine = StandIn::start(move |_| Answer {
+    let (engine, router) = stand_in_and_router(move |_| Answer {
         gate: Some(gate.clone()),
         pieces: vec![json_answer(r#"{"finished":true}"#)],
         then: AfterAnswer::KeepAlive,
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
     let mut client = Conn::open(router.addr).await;
-    client
-        .send(&post(
-            "/v1/completions",
-            &[("x-request-id", "in-flight")],
-            TOKEN_BODY,
-        ))
+    client.send(&completion_post("in-flight", TOKEN_BODY)).await;
+    engine
+        .wait_for_posts(1, "the request to reach the engine")
         .await;
-    wait_until("the request to reach the engine", WAIT_DEADLINE, || {
-        let posts = engine.posts().len();
-        async move {
-            if posts == 1 {
-                Ok(())
-            } else {
-                Err(format!("{posts} requests at the engine"))
-            }
-        }
-    })
-    .await;
     let state = router.router.clone();
     let shutting_down = tokio::spawn(router.shutdown());
     wait_until("shutdown to begin", WAIT_DEADLINE, || {
@@ -1550,25 +1487,16 @@ async fn a_request_in_flight_at_shutdown_is_answered_with_connection_close_then_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_204_from_the_engine_reaches_the_client_without_a_content_length() {
     // RFC 9110 8.6: a server MUST NOT send Content-Length in a 204 response.
-    let engine = StandIn::start(|_| Answer {
-        gate: None,
-        pieces: vec![b"HTTP/1.1 204 No Content\r\n\r\n".to_vec()],
-        then: AfterAnswer::KeepAlive,
+    let (_engine, router) = stand_in_and_router(|_| {
+        Answer::new(
+            vec![b"HTTP/1.1 204 No Content\r\n\r\n".to_vec()],
+            AfterAnswer::KeepAlive,
+        )
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
-    for (server, request) in [
-        (
-            "general server",
-            chunked_post("/v1/completions", TOKEN_BODY),
-        ),
-        ("fast path", post("/v1/completions", &[], TOKEN_BODY)),
-    ] {
+    for (server, request) in token_completion_on_both_servers() {
         let mut client = Conn::open(router.addr).await;
-        client.send(&request).await;
-        let head = client.read_head().await;
+        let head = client.ask_head(&request).await;
         assert_eq!(head.status, 204, "{server}: {:?}", head.headers);
         assert!(
             head.header("content-length").is_none() && !head.is_chunked(),
@@ -1581,26 +1509,17 @@ async fn a_204_from_the_engine_reaches_the_client_without_a_content_length() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_answer_with_an_invalid_status_code_is_a_502_on_both_servers() {
-    let engine = StandIn::start(|_| Answer {
-        gate: None,
-        pieces: vec![b"HTTP/1.1 099 Odd\r\ncontent-length: 2\r\n\r\n{}".to_vec()],
-        then: AfterAnswer::KeepAlive,
+    let (_engine, router) = stand_in_and_router(|_| {
+        Answer::new(
+            vec![b"HTTP/1.1 099 Odd\r\ncontent-length: 2\r\n\r\n{}".to_vec()],
+            AfterAnswer::KeepAlive,
+        )
     })
     .await;
-    let router = kvroute::serve(stand_in_router_config(&engine))
-        .await
-        .unwrap();
-    for (server, request) in [
-        (
-            "general server",
-            chunked_post("/v1/completions", TOKEN_BODY),
-        ),
-        ("fast path", post("/v1/completions", &[], TOKEN_BODY)),
-    ] {
+    for (server, request) in token_completion_on_both_servers() {
         let mut client = Conn::open(router.addr).await;
-        client.send(&request).await;
-        // `read_head` fails the test on a status line that is not valid HTTP/1.1.
-        let head = client.read_head().await;
+        // `ask_head` fails the test on a status line that is not valid HTTP/1.1.
+        let head = client.ask_head(&request).await;
         assert_eq!(head.status, 502, "{server}: {:?}", head.headers);
     }
     router.shutdown().await;
@@ -1620,9 +1539,7 @@ async fn idle_keep_alive_connections_close_at_shutdown_on_both_servers() {
         .await;
     assert_eq!(fast.read_response().await.head.status, 200);
     let mut general = Conn::open(router.addr).await;
-    general
-        .send(b"GET /healthz HTTP/1.1\r\nHost: router\r\n\r\n")
-        .await;
+    general.send(HEALTH_GET).await;
     assert_eq!(general.read_response().await.head.status, 200);
 
     let started = std::time::Instant::now();
