@@ -15,8 +15,9 @@
 //! is not assumed: the first [`VERIFY_FIRST_CHATS`] chats of a model, and one in
 //! [`VERIFY_EVERY_NTH_CHAT`] after that, are also tokenized whole and compared; one mismatch
 //! switches that model to whole-text tokenization for good. The first ones are checked before
-//! they are used; the periodic ones on the blocking pool, off the request's thread (a whole
-//! tokenization costs milliseconds and would stall every request queued behind it). If a template's rendering of a prefix
+//! they are used; the periodic ones (at most one per [`VERIFY_INTERVAL_MIN_MS`]) on the blocking
+//! pool, off the request's thread (a whole tokenization costs milliseconds and would stall every
+//! request queued behind it). If a template's rendering of a prefix
 //! is not a prefix of the longer rendering (templates that look at the last message), that request
 //! is tokenized whole.
 //!
@@ -38,6 +39,8 @@ use serde_json::Value;
 pub const VERIFY_FIRST_CHATS: u64 = 32;
 /// After the first ones, one chat in this many is verified.
 pub const VERIFY_EVERY_NTH_CHAT: u64 = 256;
+/// ... and at most one per this long, so the checks' CPU stays bounded at any request rate.
+pub const VERIFY_INTERVAL_MIN_MS: u64 = 1_000;
 /// Segments longer than this are tokenized but not cached (one huge document must not evict
 /// every shared system prompt).
 pub const MAX_CACHED_SEGMENT_TOKENS: usize = 32_768;
@@ -184,6 +187,9 @@ pub struct ModelTokenizer {
     verifying: AtomicBool,
     /// Periodic verifications completed, for tests.
     verifications_done: AtomicU64,
+    /// When the last periodic verification started, in ms since `created` (`u64::MAX`: never).
+    last_verify_ms: AtomicU64,
+    created: std::time::Instant,
     pub path: PathBuf,
 }
 
@@ -265,6 +271,8 @@ impl ModelTokenizer {
             segmented_disabled: AtomicBool::new(false),
             verifying: AtomicBool::new(false),
             verifications_done: AtomicU64::new(0),
+            last_verify_ms: AtomicU64::new(u64::MAX),
+            created: std::time::Instant::now(),
             path: file,
         })
     }
@@ -345,7 +353,7 @@ impl ModelTokenizer {
             if !self.agrees_with_whole(messages, &tokens)? {
                 return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
             }
-        } else if n.is_multiple_of(VERIFY_EVERY_NTH_CHAT) {
+        } else if n.is_multiple_of(VERIFY_EVERY_NTH_CHAT) && self.verification_due() {
             self.verify_aside(messages, &tokens);
         }
         Ok((tokens, how))
@@ -369,6 +377,20 @@ impl ModelTokenizer {
             return Ok(false);
         }
         Ok(true)
+    }
+
+    /// True (and the interval restarted) when no periodic check started in the last
+    /// [`VERIFY_INTERVAL_MIN_MS`].
+    fn verification_due(&self) -> bool {
+        let now_ms = self.created.elapsed().as_millis() as u64;
+        let last = self.last_verify_ms.load(Ordering::Relaxed);
+        if last != u64::MAX && now_ms.saturating_sub(last) < VERIFY_INTERVAL_MIN_MS {
+            return false;
+        }
+        // One caller wins the slot; a racing one skips this sample.
+        self.last_verify_ms
+            .compare_exchange(last, now_ms, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
     }
 
     /// The periodic check, run on the blocking pool instead of the request's thread.
@@ -642,7 +664,7 @@ mod real_tokenizer_tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
-    async fn a_sampled_chat_past_the_first_ones_is_checked_on_the_blocking_pool() {
+    async fn sampled_chats_are_checked_on_the_blocking_pool_at_most_once_per_interval() {
         let tok = shipped();
         let messages = vec![
             json!({"role": "system", "content": "Be brief. ".repeat(10)}),
@@ -664,6 +686,17 @@ mod real_tokenizer_tests {
         }
         assert_eq!(tok.verifications_done(), 1, "exactly one sampled chat");
         assert!(tok.segmented_enabled(), "ChatML passes the check");
+        // The next sampled chat comes well within VERIFY_INTERVAL_MIN_MS: it is not checked.
+        // Whether a check starts is decided inside `encode_chat`, so right after the calls
+        // return a started one would show as in flight or done.
+        for _ in 0..VERIFY_EVERY_NTH_CHAT {
+            tok.encode_chat(&messages).unwrap();
+        }
+        assert!(
+            !tok.verifying.load(Ordering::Acquire) && tok.verifications_done() == 1,
+            "a second check started within the interval (done = {})",
+            tok.verifications_done()
+        );
     }
 
     const WORDS: &[&str] = &[
