@@ -25,7 +25,8 @@
 #   read from /proc every second (memory must stay flat after warm-up).
 #
 # Usage: bench/side_by_side.sh
-# Env: SKIP_BUILD (1 = use the existing release binaries) THROUGHPUT_S (10) LATENCY_S (20) RATE (1000) CONNS (32) RSS_REQUESTS (1000000; 0 skips
+# Env: ROUTER_PROFILE (cargo profile kvroute is built and run with: release (default) or
+#      production, the deployment profile with LTO) SKIP_BUILD (1 = use the existing binaries) THROUGHPUT_S (10) LATENCY_S (20) RATE (1000) CONNS (32) RSS_REQUESTS (1000000; 0 skips
 #      the RSS run) PORT_BASE (18100; ports PORT_BASE..PORT_BASE+499 are used) ROWS (regex over
 #      row names; default all) SKIP_INSTALL (1 = do not apt/pip)
 set -euo pipefail
@@ -78,16 +79,24 @@ fi
 "$venv/bin/pip" list 2>/dev/null | grep -Ei '^(sglang-router|vllm-router) ' >"$out/peer-versions.txt"
 nginx -v 2>"$out/nginx-version.txt" || true
 
+ROUTER_PROFILE="${ROUTER_PROFILE:-release}"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   log "cargo build --release -p kvroute -p kvroute-sim -p kvroute-bench"
   (cd "$root" && cargo build --release -p kvroute -p kvroute-sim -p kvroute-bench) >"$out/build.log" 2>&1
+  if [ "$ROUTER_PROFILE" != release ]; then
+    log "cargo build --profile $ROUTER_PROFILE -p kvroute --bin kvroute"
+    (cd "$root" && cargo build --profile "$ROUTER_PROFILE" -p kvroute --bin kvroute) >>"$out/build.log" 2>&1
+  fi
 fi
 {
   echo "git HEAD: $(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)"
   echo "uncommitted changes in the tree: $(git -C "$root" status --porcelain 2>/dev/null | wc -l) paths"
   echo "machine: $(nproc) cpus, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+  echo "kvroute built with cargo profile: $ROUTER_PROFILE (the tools: release)"
 } >"$out/provenance.txt"
 bin="$root/target/release"
+# The router under test; the load generator and the simulated engines are always release builds.
+router_bin="$root/target/$ROUTER_PROFILE/kvroute"
 
 # ----------------------------------------------------------------------------------- bodies ---
 # 2,048-token prompts (128 blocks of 16). Token ids are fixed pseudo-random values; the text is
@@ -277,7 +286,7 @@ start_kvroute() { # policy worker-port-a worker-port-b [extra kvroute flags...]
   ensure_backends
   local policy="$1" port_a="$2" port_b="$3"
   shift 3
-  "$bin/kvroute" --host 127.0.0.1 --port "$ROUTER" --policy "$policy" \
+  "$router_bin" --host 127.0.0.1 --port "$ROUTER" --policy "$policy" \
     --worker-urls "http://127.0.0.1:$port_a" "http://127.0.0.1:$port_b" "$@" >"$out/kvroute-$policy-$port_a.log" 2>&1 &
   router_pid=$!
   wait_http "http://127.0.0.1:$ROUTER/readyz" "kvroute $policy"
