@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::http::StatusCode;
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
@@ -221,14 +222,11 @@ async fn serve_request(
         },
     );
     count_request(router, endpoint, routed.status);
-    let mut ended = false;
-    if framing == OutFraming::NoBody {
-        // Nothing may follow this head; the engine's body (if it sent one against the rules)
-        // is not passed on, and its connection is not reused.
-        ended = true;
-    }
+    // Nothing may follow a no-body head; an engine body sent against the rules is not passed
+    // on (and its connection is not reused).
+    let mut ended = framing == OutFraming::NoBody;
     match first {
-        _ if framing == OutFraming::NoBody => {}
+        _ if ended => {}
         Some(Some(piece)) => push_piece(&mut out, framing, &piece),
         Some(None) => {
             ended = true;
@@ -247,18 +245,17 @@ async fn serve_request(
             next = routed.body.next_chunk() => next,
             _ = client_gone(stream, buf) => return After::Close,
         };
-        out.clear();
         match next {
             Ok(Some(piece)) => {
-                if framing == OutFraming::Length(0) || piece.is_empty() {
-                    continue;
-                }
-                if framing == OutFraming::Chunked {
+                // A length-framed piece goes out as it is; a chunk needs its size line.
+                let bytes: &[u8] = if framing == OutFraming::Chunked {
+                    out.clear();
                     push_piece(&mut out, framing, &piece);
-                    if stream.write_all(&out).await.is_err() {
-                        return After::Close;
-                    }
-                } else if stream.write_all(&piece).await.is_err() {
+                    &out
+                } else {
+                    &piece
+                };
+                if !bytes.is_empty() && stream.write_all(bytes).await.is_err() {
                     return After::Close;
                 }
             }
@@ -296,13 +293,8 @@ fn push_piece(out: &mut Vec<u8>, framing: OutFraming, piece: &[u8]) {
 }
 
 fn count_request(router: &Router, endpoint: Endpoint, status: u16) {
-    let status =
-        axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
-    router
-        .metrics
-        .requests
-        .with_label_values(&[endpoint.path(), status.as_str()])
-        .inc();
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    server::count_request(router, endpoint, status);
 }
 
 /// Writes an error answer; false when the client could not be written to.

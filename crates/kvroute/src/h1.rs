@@ -468,7 +468,7 @@ impl ChunkedDecoder {
 /// Appends one chunk of a chunked body (`data` must not be empty: an empty chunk ends a body).
 pub fn encode_chunk(out: &mut Vec<u8>, data: &[u8]) {
     debug_assert!(!data.is_empty());
-    write_hex(out, data.len());
+    write_digits(out, data.len() as u64, 16);
     out.extend_from_slice(b"\r\n");
     out.extend_from_slice(data);
     out.extend_from_slice(b"\r\n");
@@ -477,29 +477,15 @@ pub fn encode_chunk(out: &mut Vec<u8>, data: &[u8]) {
 /// The last chunk of a chunked body, without trailers.
 pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 
-fn write_hex(out: &mut Vec<u8>, n: usize) {
-    let mut digits = [0u8; 16];
-    let mut i = digits.len();
-    let mut n = n;
-    loop {
-        i -= 1;
-        digits[i] = b"0123456789abcdef"[n & 0xf];
-        n >>= 4;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[i..]);
-}
-
-fn write_decimal(out: &mut Vec<u8>, n: u64) {
+/// Appends `n` in base `radix` (10 or 16, lower-case digits).
+fn write_digits(out: &mut Vec<u8>, n: u64, radix: u64) {
     let mut digits = [0u8; 20];
     let mut i = digits.len();
     let mut n = n;
     loop {
         i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
+        digits[i] = b"0123456789abcdef"[(n % radix) as usize];
+        n /= radix;
         if n == 0 {
             break;
         }
@@ -546,7 +532,7 @@ pub struct ResponseHeadOut<'a> {
 /// Appends a client response head.
 pub fn encode_response_head(out: &mut Vec<u8>, head: &ResponseHeadOut<'_>) {
     out.extend_from_slice(b"HTTP/1.1 ");
-    write_decimal(out, u64::from(head.status));
+    write_digits(out, u64::from(head.status), 10);
     out.push(b' ');
     let reason = axum::http::StatusCode::from_u16(head.status)
         .ok()
@@ -570,7 +556,7 @@ pub fn encode_response_head(out: &mut Vec<u8>, head: &ResponseHeadOut<'_>) {
     match head.framing {
         OutFraming::Length(n) => {
             out.extend_from_slice(b"content-length: ");
-            write_decimal(out, n);
+            write_digits(out, n, 10);
             out.extend_from_slice(b"\r\n");
         }
         OutFraming::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
@@ -596,7 +582,7 @@ pub fn encode_request_head(
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(authority.as_bytes());
     out.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
-    write_decimal(out, content_length as u64);
+    write_digits(out, content_length as u64, 10);
     out.extend_from_slice(b"\r\n");
     for (name, value) in extra {
         out.extend_from_slice(name.as_bytes());

@@ -20,10 +20,8 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
-
-use std::task::ready;
 
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -304,20 +302,11 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Routed, A
             (uncached.max(0) as f64 * router.policy.weights.prefill_cost_us_per_token) as u64,
         );
         let dp_rank_text = cand.dp_rank.to_string();
-        let mut upstream_headers = [(DP_RANK_HEADER, dp_rank_text.as_str()), ("", "")];
-        let header_count = match request_id_header {
-            Some(v) => {
-                upstream_headers[1] = (REQUEST_ID_HEADER, v);
-                2
-            }
-            None => 1,
-        };
-        let send = fwd.upstream.post_json(
-            &worker.url,
-            fwd.endpoint.path(),
-            &upstream_headers[..header_count],
-            &body,
-        );
+        let mut upstream_headers = vec![(DP_RANK_HEADER, dp_rank_text.as_str())];
+        upstream_headers.extend(request_id_header.map(|v| (REQUEST_ID_HEADER, v)));
+        let send =
+            fwd.upstream
+                .post_json(&worker.url, fwd.endpoint.path(), &upstream_headers, &body);
         match tokio::time::timeout(timeout, send).await {
             Err(_) => {
                 router

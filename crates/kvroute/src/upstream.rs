@@ -199,15 +199,6 @@ impl UpstreamClient {
         }
     }
 
-    /// Idle connections pooled for `base_url` (for tests and diagnostics).
-    pub fn idle_connections(&self, base_url: &str) -> usize {
-        self.inner
-            .lock()
-            .idle
-            .get(base_url)
-            .map_or(0, VecDeque::len)
-    }
-
     async fn connect(&self, authority: &str) -> Result<TcpStream, UpstreamError> {
         let connect = TcpStream::connect(authority);
         let stream = match tokio::time::timeout(self.inner.connect_timeout, connect).await {
@@ -500,11 +491,6 @@ impl UpstreamBody {
                 Err(e) => return Poll::Ready(Err(self.cut(e.to_string()))),
             }
         }
-    }
-
-    /// The next piece of the body (`None` at its end).
-    pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, UpstreamError> {
-        std::future::poll_fn(|cx| self.poll_chunk(cx)).await
     }
 }
 
