@@ -16,8 +16,12 @@
 #   ids, so it gets /generate {input_ids}; its cache_aware tree works on text, so a text row is
 #   measured too. vllm-router gets /v1/completions with ids and with text. Every row says what
 #   the router received. Added latency = router percentile minus the percentile of a paired
-#   direct run (same body, same backend, measured just before the router row), at the same fixed
-#   rate (open loop, latency from the scheduled send time).
+#   direct window (same body, same backend, measured just before), at the same fixed rate (open
+#   loop, latency from the scheduled send time); LAT_PAIRS pairs alternate per row and the row
+#   reports the median of the per-pair differences (each pair is listed too).
+# - kvroute runs as a deployment builds it (the `production` cargo profile: whole-program LTO,
+#   one codegen unit), as the peers' wheels are built with LTO; ROUTER_PROFILE=release measures
+#   the developers' build.
 # - Extra rows: nginx as a plain reverse proxy (the cost floor of one extra HTTP hop), and
 #   vllm-router's own KV-event policy (kv_aware) fed by vLLM-encoded sim publishers.
 # - Throughput: wrk -t2 -c32 (the issue's reference tool). Latency: kvroute-loadgen open loop.
@@ -25,15 +29,19 @@
 #   read from /proc every second (memory must stay flat after warm-up).
 #
 # Usage: bench/side_by_side.sh
-# Env: ROUTER_PROFILE (cargo profile kvroute is built and run with: release (default) or
-#      production, the deployment profile with LTO) SKIP_BUILD (1 = use the existing binaries) THROUGHPUT_S (10) LATENCY_S (20) RATE (1000) CONNS (32) RSS_REQUESTS (1000000; 0 skips
+# Env: ROUTER_PROFILE (cargo profile kvroute is built and run with: production (default; the
+#      deployment build, whole-program LTO, as the README tells deployments to build it) or
+#      release) SKIP_BUILD (1 = use the existing binaries) THROUGHPUT_S (10) LATENCY_S (10, per
+#      window) LAT_PAIRS (3; alternating direct/router latency windows per row) RATE (1000)
+#      CONNS (32) RSS_REQUESTS (1000000; 0 skips
 #      the RSS run) PORT_BASE (18100; ports PORT_BASE..PORT_BASE+499 are used) ROWS (regex over
 #      row names; default all) SKIP_INSTALL (1 = do not apt/pip)
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
 THROUGHPUT_S="${THROUGHPUT_S:-10}"
-LATENCY_S="${LATENCY_S:-20}"
+LATENCY_S="${LATENCY_S:-10}"
+LAT_PAIRS="${LAT_PAIRS:-3}"
 RATE="${RATE:-1000}"
 CONNS="${CONNS:-32}"
 RSS_REQUESTS="${RSS_REQUESTS:-1000000}"
@@ -79,7 +87,7 @@ fi
 "$venv/bin/pip" list 2>/dev/null | grep -Ei '^(sglang-router|vllm-router) ' >"$out/peer-versions.txt"
 nginx -v 2>"$out/nginx-version.txt" || true
 
-ROUTER_PROFILE="${ROUTER_PROFILE:-release}"
+ROUTER_PROFILE="${ROUTER_PROFILE:-production}"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   log "cargo build --release -p kvroute -p kvroute-sim -p kvroute-bench"
   (cd "$root" && cargo build --release -p kvroute -p kvroute-sim -p kvroute-bench) >"$out/build.log" 2>&1
@@ -97,6 +105,14 @@ fi
 bin="$root/target/release"
 # The router under test; the load generator and the simulated engines are always release builds.
 router_bin="$root/target/$ROUTER_PROFILE/kvroute"
+if [ ! -x "$router_bin" ]; then
+  echo "no router binary at $router_bin: run without SKIP_BUILD=1, or cargo build --profile $ROUTER_PROFILE -p kvroute --bin kvroute" >&2
+  exit 1
+fi
+if [ ! -x "$bin/kvroute-loadgen" ] || [ ! -x "$bin/kvroute-sim" ]; then
+  echo "no release tools in $bin: run without SKIP_BUILD=1" >&2
+  exit 1
+fi
 
 # ----------------------------------------------------------------------------------- bodies ---
 # 2,048-token prompts (128 blocks of 16). Token ids are fixed pseudo-random values; the text is
@@ -192,7 +208,7 @@ ensure_backends
 
 # ------------------------------------------------------------------------------------- rows ---
 results="$out/results.tsv"
-printf 'row\trouter\tpolicy\tbackend\tendpoint\tbody\treq_per_s\twrk_non2xx\tp50_us\tp90_us\tp99_us\tp999_us\tmax_us\tlat_errors\ttokenize_calls\tloadavg\tbase_p50_us\tbase_p99_us\n' >"$results"
+printf 'row\trouter\tpolicy\tbackend\tendpoint\tbody\treq_per_s\twrk_non2xx\tp50_us\tp90_us\tp99_us\tp999_us\tmax_us\tlat_errors\tbase_p50_us\tbase_p99_us\tadded_p50_us\tadded_p99_us\tadded_p50_each_us\ttokenize_calls\tloadavg\n' >"$results"
 
 router_pid=""
 stop_router() {
@@ -217,42 +233,69 @@ measure() { # name router policy backend url body
   rps="$(awk '/^Requests\/sec/ {print $2}' <<<"$wrk_out")"
   non2xx="$(awk '/Non-2xx/ {print $NF}' <<<"$wrk_out")"
   tok1="$(wc -l <"$ng/tokenize.log" 2>/dev/null || echo 0)"
-  # Paired baseline: the same body straight to the backend, measured right before the router
-  # row, so "added" compares two measurements taken under the same background load (other jobs
-  # share this machine and its load drifts over a run).
-  local base="-	-"
+  # Paired baselines: the same body straight to the backend, measured right before each router
+  # window, so "added" compares two measurements taken under the same background load (other
+  # jobs share this machine and its load drifts over a run). LAT_PAIRS windows of each kind
+  # alternate (direct, router, direct, router, ...); the added figure is the median of the
+  # per-pair differences, and every pair is kept in $name.pairs.tsv, so one noisy window
+  # neither makes nor breaks a row.
+  local direct_url="" k
   if [ "$router" != direct ]; then
-    local direct_url="http://127.0.0.1:$NG_A/$endpoint"
+    direct_url="http://127.0.0.1:$NG_A/$endpoint"
     [ "$backend" = kvroute-sim ] && direct_url="http://127.0.0.1:$SIM_HTTP/$endpoint"
-    log "$name: paired direct baseline $direct_url"
-    if "$bin/kvroute-loadgen" --url "$direct_url" --body-file "$out/$body" --rate "$RATE" \
-      --duration-s "$LATENCY_S" --warmup-s 2 --connections "$CONNS" --json \
-      >"$out/$name.base.json" 2>"$out/$name.base.err"; then
-      base="$(python3 -c 'import json,sys; l=json.load(open(sys.argv[1]))["latency_us"]; print("%d\t%d" % (round(l["p50"]), round(l["p99"])))' "$out/$name.base.json")"
-    fi
   fi
-  log "$name: loadgen open loop $RATE req/s for ${LATENCY_S}s"
-  "$bin/kvroute-loadgen" --url "$url" --body-file "$out/$body" --rate "$RATE" \
-    --duration-s "$LATENCY_S" --warmup-s 2 --connections "$CONNS" --json >"$out/$name.lat.json" \
-    2>"$out/$name.lat.err" || log "$name: loadgen failed: $(cat "$out/$name.lat.err")"
-  lat="$(python3 -c '
-import json, sys
-try:
-    r = json.load(open(sys.argv[1]))
-except ValueError:
-    print("\t".join(["0"] * 5 + ["-1"])); sys.exit()
-l = r["latency_us"]
-errs = r["errors_status"] + r["errors_io"] + r["errors_timeout"] + r["not_sent"]
-print("\t".join(str(round(x)) for x in (l["p50"], l["p90"], l["p99"], l["p999"], l["max"], errs)))
-' "$out/$name.lat.json")"
+  for ((k = 1; k <= LAT_PAIRS; k++)); do
+    if [ -n "$direct_url" ]; then
+      log "$name: paired direct baseline $k/$LAT_PAIRS $direct_url"
+      "$bin/kvroute-loadgen" --url "$direct_url" --body-file "$out/$body" --rate "$RATE" \
+        --duration-s "$LATENCY_S" --warmup-s 2 --connections "$CONNS" --json \
+        >"$out/$name.base.$k.json" 2>"$out/$name.base.$k.err" ||
+        log "$name: direct baseline $k failed: $(cat "$out/$name.base.$k.err")"
+    fi
+    log "$name: loadgen open loop $RATE req/s for ${LATENCY_S}s, window $k/$LAT_PAIRS"
+    "$bin/kvroute-loadgen" --url "$url" --body-file "$out/$body" --rate "$RATE" \
+      --duration-s "$LATENCY_S" --warmup-s 2 --connections "$CONNS" --json >"$out/$name.lat.$k.json" \
+      2>"$out/$name.lat.$k.err" || log "$name: loadgen failed: $(cat "$out/$name.lat.$k.err")"
+  done
+  # Columns: p50 p90 p99 p999 max (medians over the router windows), errors (summed), the
+  # medians of the direct windows' p50 and p99, then the added p50 and p99 (medians of the
+  # per-pair differences) and each pair's added p50 (comma-separated).
+  lat="$(python3 - "$out" "$name" "$LAT_PAIRS" <<'PY'
+import json, statistics, sys
+out, name, pairs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def load(kind, k):
+    try:
+        return json.load(open("%s/%s.%s.%d.json" % (out, name, kind, k)))
+    except (OSError, ValueError):
+        return None
+router = [load("lat", k) for k in range(1, pairs + 1)]
+base = [load("base", k) for k in range(1, pairs + 1)]
+ok = [r for r in router if r]
+if not ok:
+    print("\t".join(["0"] * 5 + ["-1", "-", "-", "-", "-", "-"])); sys.exit()
+med = lambda xs: round(statistics.median(xs))
+cols = [med([r["latency_us"][q] for r in ok]) for q in ("p50", "p90", "p99", "p999", "max")]
+errs = sum(r["errors_status"] + r["errors_io"] + r["errors_timeout"] + r["not_sent"] for r in ok)
+errs += sum(1 for r in router if not r)
+paired = [(r["latency_us"], b["latency_us"]) for r, b in zip(router, base) if r and b]
+if paired:
+    d50 = [round(r["p50"] - b["p50"]) for r, b in paired]
+    d99 = [round(r["p99"] - b["p99"]) for r, b in paired]
+    extra = [med([b["p50"] for _, b in paired]), med([b["p99"] for _, b in paired]),
+             med(d50), med(d99), ",".join("%+d" % d for d in d50)]
+else:
+    extra = ["-"] * 5
+print("\t".join(str(x) for x in cols + [errs] + extra))
+PY
+)"
   # Router-side evidence (routing decisions, matched blocks, tokenize calls) for the row.
   if [ "$router" = kvroute ]; then
     curl -s --max-time 2 "http://127.0.0.1:$ROUTER/metrics" >"$out/$name.metrics.txt" || true
   elif [ "$router" != direct ]; then
     curl -s --max-time 2 "http://127.0.0.1:$PROM/metrics" >"$out/$name.metrics.txt" || true
   fi
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$router" "$policy" "$backend" \
-    "/$endpoint" "$body" "$rps" "${non2xx:-0}" "$lat" "$((tok1 - tok0))" "$load" "$base" >>"$results"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$router" "$policy" "$backend" \
+    "/$endpoint" "$body" "$rps" "${non2xx:-0}" "$lat" "$((tok1 - tok0))" "$load" >>"$results"
 }
 
 want() { [[ "$1" =~ $ROWS ]]; }
@@ -449,11 +492,11 @@ import csv, json, os, sys
 out = sys.argv[1]
 rows = list(csv.DictReader(open(out + "/results.tsv"), delimiter="\t"))
 def added(r):
-    if r["router"] == "direct" or r.get("base_p50_us") in (None, "", "-"):
+    if r["router"] == "direct" or r.get("added_p50_us") in (None, "", "-"):
         return "-"
-    return "%+d / %+d (base %s / %s)" % (int(r["p50_us"]) - int(r["base_p50_us"]),
-        int(r["p99_us"]) - int(r["base_p99_us"]), r["base_p50_us"], r["base_p99_us"])
-print("| router | policy | backend | request | req/s (wrk c=32) | p50 / p99 us @%s req/s | added p50 / p99 us vs paired direct | errors | /tokenize calls | load avg |" % os.environ.get("RATE", "1000"))
+    return "%+d / %+d (base %s / %s; pairs %s)" % (int(r["added_p50_us"]), int(r["added_p99_us"]),
+        r["base_p50_us"], r["base_p99_us"], r["added_p50_each_us"])
+print("| router | policy | backend | request | req/s (wrk c=32) | p50 / p99 us @%s req/s | added p50 / p99 us vs paired direct (median of pairs) | errors | /tokenize calls | load avg |" % os.environ.get("RATE", "1000"))
 print("|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
     errs = int(r["wrk_non2xx"] or 0) + int(r["lat_errors"] or 0)
