@@ -237,8 +237,8 @@ measure() { # name router policy backend url body
   # window, so "added" compares two measurements taken under the same background load (other
   # jobs share this machine and its load drifts over a run). LAT_PAIRS windows of each kind
   # alternate (direct, router, direct, router, ...); the added figure is the median of the
-  # per-pair differences, and every pair is kept in $name.pairs.tsv, so one noisy window
-  # neither makes nor breaks a row.
+  # per-pair differences (each listed in the results; every window's JSON is kept), so one
+  # noisy window neither makes nor breaks a row.
   local direct_url="" k
   if [ "$router" != direct ]; then
     direct_url="http://127.0.0.1:$NG_A/$endpoint"

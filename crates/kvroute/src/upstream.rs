@@ -147,7 +147,10 @@ impl ClientInner {
                 continue;
             }
             // An idle connection must have nothing to read: EOF means the engine closed it,
-            // bytes mean it broke the protocol. Either way it is dropped.
+            // bytes mean it broke the protocol. Either way it is dropped. While nothing has
+            // arrived since the response was read, tokio answers this from its cached
+            // readiness without a syscall (see `poll_read_some`); a close that races the
+            // checkout is caught by the one retry in `post_json`.
             let mut probe = [0u8; 1];
             match conn.stream.try_read(&mut probe) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(conn.stream),
@@ -375,19 +378,20 @@ async fn read_some(stream: &mut TcpStream, buf: &mut BytesMut) -> std::io::Resul
     std::future::poll_fn(|cx| poll_read_some(stream, cx, buf)).await
 }
 
+/// Reads what the engine has sent so far into `buf`.
+///
+/// Through tokio's `AsyncRead`, not `try_read_buf`: on a short read (fewer bytes than `buf` had
+/// room for) `AsyncRead` clears the socket's cached readiness, since under edge-triggered epoll a
+/// short read means the kernel's buffer is drained. So an exactly-read response leaves the
+/// connection marked not-readable, and the liveness probe at its next checkout is answered from
+/// that cached state instead of costing a `recvfrom` on the next request's critical path. A FIN
+/// or stray bytes arriving later raise a new edge, which marks it readable again.
 fn poll_read_some(
-    stream: &TcpStream,
+    stream: &mut TcpStream,
     cx: &mut Context<'_>,
     buf: &mut BytesMut,
 ) -> Poll<std::io::Result<usize>> {
-    loop {
-        match stream.try_read_buf(buf) {
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                ready!(stream.poll_read_ready(cx))?;
-            }
-            other => return Poll::Ready(other),
-        }
-    }
+    tokio_util::io::poll_read_buf(std::pin::Pin::new(stream), cx, buf)
 }
 
 struct ReturnTo {
@@ -476,7 +480,7 @@ impl UpstreamBody {
                     }
                 }
             }
-            let Some(stream) = self.stream.as_ref() else {
+            let Some(stream) = self.stream.as_mut() else {
                 return Poll::Ready(Err(self.cut("connection already gone")));
             };
             self.buf.reserve(UPSTREAM_READ_CHUNK_BYTES);

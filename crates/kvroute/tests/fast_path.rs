@@ -389,6 +389,9 @@ enum AfterAnswer {
     /// Keep the connection open but idle this long, then close it (unless the router sends or
     /// closes first).
     CloseWhenIdleFor(Duration),
+    /// Keep the connection open but idle this long, then write bytes nobody asked for and keep
+    /// it open (a protocol violation the router must not mistake for the next answer).
+    StrayBytesWhenIdleFor(Duration),
 }
 
 #[derive(Debug, Clone)]
@@ -420,6 +423,10 @@ enum EngineEvent {
     Request(SeenRequest),
     /// The stand-in closed a kept-alive connection the router had left idle.
     ClosedIdle {
+        conn: usize,
+    },
+    /// The stand-in wrote unrequested bytes on a kept-alive connection the router left idle.
+    SentStray {
         conn: usize,
     },
     /// The router closed (or reset) the connection.
@@ -673,6 +680,26 @@ async fn serve_engine_connection(
                         // knows the FIN is on its way to the router.
                         drop(stream);
                         return log(EngineEvent::ClosedIdle { conn });
+                    }
+                }
+            }
+            AfterAnswer::StrayBytesWhenIdleFor(idle) => {
+                let mut probe = [0u8; 1];
+                let read = tokio::select! {
+                    read = stream.read(&mut probe) => Some(read),
+                    _ = tokio::time::sleep(idle) => None,
+                };
+                match read {
+                    Some(Ok(0)) | Some(Err(_)) => return log(EngineEvent::RouterClosed { conn }),
+                    Some(Ok(_)) => buf.push(probe[0]),
+                    None => {
+                        if stream.write_all(b"stray").await.is_err() {
+                            return log(EngineEvent::RouterClosed { conn });
+                        }
+                        // Logged after the write, so a test that sees the event knows the bytes
+                        // are in the router's receive buffer; then wait for the router to drop
+                        // the connection (anything it sends instead is logged as a request).
+                        log(EngineEvent::SentStray { conn });
                     }
                 }
             }
@@ -1122,6 +1149,69 @@ async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() 
             (1, Some("after-idle-close".to_string())),
         ],
         "one engine request per client request, the second on a fresh connection"
+    );
+    drop(client);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_an_engine_sends_on_an_idle_pooled_connection_retire_it() {
+    // The pooled connection's liveness check is answered from tokio's cached readiness when
+    // nothing arrived since the last answer was read; bytes arriving later must still mark it
+    // readable, so the check reads them and drops the connection instead of taking them for the
+    // next request's answer.
+    let (engine, router) = stand_in_and_router(|n| Answer {
+        gate: None,
+        pieces: vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
+        then: if n == 0 {
+            AfterAnswer::StrayBytesWhenIdleFor(ENGINE_IDLE_CLOSE)
+        } else {
+            AfterAnswer::KeepAlive
+        },
+    })
+    .await;
+    let mut client = Conn::open(router.addr).await;
+    let first = client
+        .ask(&completion_post("before-stray", TOKEN_BODY))
+        .await;
+    assert_eq!(first.head.status, 200);
+    assert_eq!(first.json()["answer"], 0);
+    wait_until(
+        "the engine to write stray bytes on the connection the router pooled",
+        WAIT_DEADLINE,
+        || {
+            let events = engine.events();
+            let used = engine.first_post_connection();
+            async move {
+                if events
+                    .iter()
+                    .any(|e| matches!(e, EngineEvent::SentStray { conn } if Some(*conn) == used))
+                {
+                    Ok(())
+                } else {
+                    Err(format!("{events:?}"))
+                }
+            }
+        },
+    )
+    .await;
+    let second = client
+        .ask(&completion_post("after-stray", TOKEN_BODY))
+        .await;
+    assert_eq!(
+        second.head.status,
+        200,
+        "stray bytes on a pooled connection must not become the next answer: {:?}",
+        String::from_utf8_lossy(&second.body)
+    );
+    assert_eq!(second.json()["answer"], 1);
+    assert_eq!(
+        engine.post_connections_and_ids(),
+        vec![
+            (0, Some("before-stray".to_string())),
+            (1, Some("after-stray".to_string())),
+        ],
+        "the second request must go out on a fresh connection"
     );
     drop(client);
     router.shutdown().await;
