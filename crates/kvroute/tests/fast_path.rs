@@ -1088,13 +1088,20 @@ async fn an_engine_answer_framed_by_close_is_passed_through_whole() {
     router.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() {
-    let (engine, router) = stand_in_and_router(|n| Answer {
+/// Runs the pooled-connection scenario both idle-engine tests share: the stand-in answers the
+/// first request and then does `idle_behaviour` on that (pooled, idle) connection; once it logged
+/// the event `happened` recognises on that connection, a second request on the same client
+/// connection must be answered by the engine on a FRESH engine connection.
+async fn second_request_after_an_idle_engine_event_goes_out_fresh(
+    idle_behaviour: fn(Duration) -> AfterAnswer,
+    event: &str,
+    happened: fn(&EngineEvent, usize) -> bool,
+) {
+    let (engine, router) = stand_in_and_router(move |n| Answer {
         gate: None,
         pieces: vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
         then: if n == 0 {
-            AfterAnswer::CloseWhenIdleFor(ENGINE_IDLE_CLOSE)
+            idle_behaviour(ENGINE_IDLE_CLOSE)
         } else {
             AfterAnswer::KeepAlive
         },
@@ -1102,12 +1109,12 @@ async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() 
     .await;
     let mut client = Conn::open(router.addr).await;
     let first = client
-        .ask(&completion_post("before-idle-close", TOKEN_BODY))
+        .ask(&completion_post("before-idle", TOKEN_BODY))
         .await;
     assert_eq!(first.head.status, 200);
     assert_eq!(first.json()["answer"], 0);
     wait_until(
-        "the engine to close the kept-alive connection the router pooled",
+        &format!("the engine to log {event} on the connection the router pooled"),
         WAIT_DEADLINE,
         || {
             let events = engine.events();
@@ -1119,34 +1126,27 @@ async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() 
                     ),
                     "the router closed the engine connection instead of pooling it: {events:?}"
                 );
-                if events
-                    .iter()
-                    .any(|e| matches!(e, EngineEvent::ClosedIdle { conn } if Some(*conn) == used))
-                {
-                    Ok(())
-                } else {
-                    Err(format!("{events:?}"))
+                match used {
+                    Some(conn) if events.iter().any(|e| happened(e, conn)) => Ok(()),
+                    _ => Err(format!("{events:?}")),
                 }
             }
         },
     )
     .await;
-    let second = client
-        .ask(&completion_post("after-idle-close", TOKEN_BODY))
-        .await;
+    let second = client.ask(&completion_post("after-idle", TOKEN_BODY)).await;
     assert_eq!(
         second.head.status,
         200,
-        "a stale pooled connection must not fail the request: {:?}",
+        "after {event}, the pooled connection must not fail the next request: {:?}",
         String::from_utf8_lossy(&second.body)
     );
     assert_eq!(second.json()["answer"], 1);
-    let seen: Vec<(usize, Option<String>)> = engine.post_connections_and_ids();
     assert_eq!(
-        seen,
+        engine.post_connections_and_ids(),
         vec![
-            (0, Some("before-idle-close".to_string())),
-            (1, Some("after-idle-close".to_string())),
+            (0, Some("before-idle".to_string())),
+            (1, Some("after-idle".to_string())),
         ],
         "one engine request per client request, the second on a fresh connection"
     );
@@ -1155,66 +1155,27 @@ async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_engine_connection_closed_by_the_engine_is_not_a_client_error() {
+    second_request_after_an_idle_engine_event_goes_out_fresh(
+        AfterAnswer::CloseWhenIdleFor,
+        "ClosedIdle",
+        |e, used| matches!(e, EngineEvent::ClosedIdle { conn } if *conn == used),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytes_an_engine_sends_on_an_idle_pooled_connection_retire_it() {
     // The pooled connection's liveness check is answered from tokio's cached readiness when
     // nothing arrived since the last answer was read; bytes arriving later must still mark it
     // readable, so the check reads them and drops the connection instead of taking them for the
     // next request's answer.
-    let (engine, router) = stand_in_and_router(|n| Answer {
-        gate: None,
-        pieces: vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
-        then: if n == 0 {
-            AfterAnswer::StrayBytesWhenIdleFor(ENGINE_IDLE_CLOSE)
-        } else {
-            AfterAnswer::KeepAlive
-        },
-    })
-    .await;
-    let mut client = Conn::open(router.addr).await;
-    let first = client
-        .ask(&completion_post("before-stray", TOKEN_BODY))
-        .await;
-    assert_eq!(first.head.status, 200);
-    assert_eq!(first.json()["answer"], 0);
-    wait_until(
-        "the engine to write stray bytes on the connection the router pooled",
-        WAIT_DEADLINE,
-        || {
-            let events = engine.events();
-            let used = engine.first_post_connection();
-            async move {
-                if events
-                    .iter()
-                    .any(|e| matches!(e, EngineEvent::SentStray { conn } if Some(*conn) == used))
-                {
-                    Ok(())
-                } else {
-                    Err(format!("{events:?}"))
-                }
-            }
-        },
+    second_request_after_an_idle_engine_event_goes_out_fresh(
+        AfterAnswer::StrayBytesWhenIdleFor,
+        "SentStray",
+        |e, used| matches!(e, EngineEvent::SentStray { conn } if *conn == used),
     )
     .await;
-    let second = client
-        .ask(&completion_post("after-stray", TOKEN_BODY))
-        .await;
-    assert_eq!(
-        second.head.status,
-        200,
-        "stray bytes on a pooled connection must not become the next answer: {:?}",
-        String::from_utf8_lossy(&second.body)
-    );
-    assert_eq!(second.json()["answer"], 1);
-    assert_eq!(
-        engine.post_connections_and_ids(),
-        vec![
-            (0, Some("before-stray".to_string())),
-            (1, Some("after-stray".to_string())),
-        ],
-        "the second request must go out on a fresh connection"
-    );
-    drop(client);
-    router.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
