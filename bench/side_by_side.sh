@@ -244,35 +244,36 @@ measure() { # name router policy backend url body
     direct_url="http://127.0.0.1:$NG_A/$endpoint"
     [ "$backend" = kvroute-sim ] && direct_url="http://127.0.0.1:$SIM_HTTP/$endpoint"
   fi
+  latency_window() { # kind (base|lat) url: one open-loop window into $name.<kind>.$k.json
+    log "$name: $1 window $k/$LAT_PAIRS, $RATE req/s for ${LATENCY_S}s to $2"
+    "$bin/kvroute-loadgen" --url "$2" --body-file "$out/$body" --rate "$RATE" \
+      --duration-s "$LATENCY_S" --warmup-s 2 --connections "$CONNS" --json \
+      >"$out/$name.$1.$k.json" 2>"$out/$name.$1.$k.err" ||
+      log "$name: $1 window $k failed: $(cat "$out/$name.$1.$k.err")"
+  }
   for ((k = 1; k <= LAT_PAIRS; k++)); do
-    if [ -n "$direct_url" ]; then
-      log "$name: paired direct baseline $k/$LAT_PAIRS $direct_url"
-      "$bin/kvroute-loadgen" --url "$direct_url" --body-file "$out/$body" --rate "$RATE" \
-        --duration-s "$LATENCY_S" --warmup-s 2 --connections "$CONNS" --json \
-        >"$out/$name.base.$k.json" 2>"$out/$name.base.$k.err" ||
-        log "$name: direct baseline $k failed: $(cat "$out/$name.base.$k.err")"
-    fi
-    log "$name: loadgen open loop $RATE req/s for ${LATENCY_S}s, window $k/$LAT_PAIRS"
-    "$bin/kvroute-loadgen" --url "$url" --body-file "$out/$body" --rate "$RATE" \
-      --duration-s "$LATENCY_S" --warmup-s 2 --connections "$CONNS" --json >"$out/$name.lat.$k.json" \
-      2>"$out/$name.lat.$k.err" || log "$name: loadgen failed: $(cat "$out/$name.lat.$k.err")"
+    if [ -n "$direct_url" ]; then latency_window base "$direct_url"; fi
+    latency_window lat "$url"
   done
-  # Columns: p50 p90 p99 p999 max (medians over the router windows), errors (summed), the
-  # medians of the direct windows' p50 and p99, then the added p50 and p99 (medians of the
-  # per-pair differences) and each pair's added p50 (comma-separated).
+  # Columns: p50 p90 p99 p999 max (medians over the router windows), errors (summed, plus one
+  # per window that failed or recorded nothing), the medians of the direct windows' p50 and
+  # p99, then the added p50 and p99 (medians of the per-pair differences) and each pair's added
+  # p50 (comma-separated).
   lat="$(python3 - "$out" "$name" "$LAT_PAIRS" <<'PY'
 import json, statistics, sys
 out, name, pairs = sys.argv[1], sys.argv[2], int(sys.argv[3])
-def load(kind, k):
+def load(kind, k):  # None for a window that failed or recorded no request
     try:
-        return json.load(open("%s/%s.%s.%d.json" % (out, name, kind, k)))
+        r = json.load(open("%s/%s.%s.%d.json" % (out, name, kind, k)))
     except (OSError, ValueError):
         return None
+    return r if r.get("recorded", 0) > 0 else None
 router = [load("lat", k) for k in range(1, pairs + 1)]
 base = [load("base", k) for k in range(1, pairs + 1)]
 ok = [r for r in router if r]
 if not ok:
-    print("\t".join(["0"] * 5 + ["-1", "-", "-", "-", "-", "-"])); sys.exit()
+    # Every router window failed: no latency, and each failed window counts as an error.
+    print("\t".join(["0"] * 5 + [str(pairs), "-", "-", "-", "-", "-"])); sys.exit()
 med = lambda xs: round(statistics.median(xs))
 cols = [med([r["latency_us"][q] for r in ok]) for q in ("p50", "p90", "p99", "p999", "max")]
 errs = sum(r["errors_status"] + r["errors_io"] + r["errors_timeout"] + r["not_sent"] for r in ok)

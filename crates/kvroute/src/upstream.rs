@@ -31,7 +31,7 @@ use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::h1::{self, BodyFraming, Chunk, ChunkedDecoder};
@@ -338,7 +338,8 @@ async fn exchange(
             None => {}
         }
         buf.reserve(UPSTREAM_READ_CHUNK_BYTES);
-        match read_some(stream, &mut buf).await {
+        // `read_buf` is `AsyncRead` too, for the reason `poll_read_some` gives.
+        match stream.read_buf(&mut buf).await {
             Ok(0) if !any_byte => {
                 return Err(ExchangeError::ClosedBeforeResponse(
                     "end of stream".to_string(),
@@ -372,10 +373,6 @@ async fn write_all_vectored(
         std::io::IoSlice::advance_slices(&mut remaining, written);
     }
     Ok(())
-}
-
-async fn read_some(stream: &mut TcpStream, buf: &mut BytesMut) -> std::io::Result<usize> {
-    std::future::poll_fn(|cx| poll_read_some(stream, cx, buf)).await
 }
 
 /// Reads what the engine has sent so far into `buf`.
