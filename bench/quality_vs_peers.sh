@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Routing quality on the `kvroute demo` workload: kvroute vs sglang-router vs vllm-router, in one
+# Routing quality on the `kvroute-demo` workload: kvroute vs sglang-router vs vllm-router, in one
 # run, each router in front of the same kind of simulated fleet, driven by the same client.
 #
 # What it measures, per row: the engines' cache hit rate (sum cached_tokens / sum prompt_tokens
@@ -8,7 +8,7 @@
 # busiest DP rank and by the busiest engine, counted by the engines themselves).
 #
 # Why it is shaped this way:
-# - The workload is the demo's, unchanged: `kvroute demo --router-url URL` drives the same
+# - The workload is the demo's, unchanged: `kvroute-demo --router-url URL` drives the same
 #   conversations (same seed, 96 conversations over 8 ~700-word system prompts whose
 #   popularity is Zipf 1.2, so one prompt opens ~43 % of them; 4 turns, every turn resends the
 #   history, 24 output tokens, streaming chat, concurrency 32) through any router. The driver
@@ -44,7 +44,7 @@
 #   on this shared 2-core machine hits all rows alike. The 1-minute load average is recorded
 #   before each measurement.
 # - The oracle row (cache_aware reading the engines' ACTUAL caches) only exists in-process, so
-#   `kvroute demo --json --policies cache-aware,round-robin` runs once per round too; its
+#   `kvroute-demo --json --policies cache-aware,round-robin` runs once per round too; its
 #   in-process cache_aware / round_robin rows double as a check that the external set-up
 #   reproduces the demo.
 #
@@ -118,8 +118,8 @@ fi
 "$venv/bin/pip" list 2>/dev/null | grep -Ei '^(sglang-router|vllm-router) ' >"$out/peer-versions.txt" || true
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  log "cargo build --release -p kvroute -p kvroute-sim"
-  (cd "$root" && cargo build --release -p kvroute -p kvroute-sim) >"$out/build.log" 2>&1
+  log "cargo build --release -p kvroute -p kvroute-demo -p kvroute-sim"
+  (cd "$root" && cargo build --release -p kvroute -p kvroute-demo -p kvroute-sim) >"$out/build.log" 2>&1
 fi
 bin="$root/target/release"
 {
@@ -243,7 +243,7 @@ measure_external() { # round row kind kv-encoding
   sleep "$(awk "BEGIN {print $SETTLE_MS / 1000}")"
   load="$(cut -d' ' -f1 /proc/loadavg)"
   log "$name: driving the demo workload (load $load)"
-  "$bin/kvroute" demo --router-url "$R" --engine-urls "$engines_csv" --label "$row" --json \
+  "$bin/kvroute-demo" --router-url "$R" --engine-urls "$engines_csv" --label "$row" --json \
     >"$out/$name.json" 2>"$out/$name.driver.log" || log "$name: driver reported failures (see $out/$name.driver.log)"
   if [ "$kind" = "${kind#kvroute}" ]; then
     curl -s --max-time 2 "http://127.0.0.1:$PROM/metrics" >"$out/$name.metrics.txt" || true
@@ -258,8 +258,8 @@ measure_external() { # round row kind kv-encoding
 measure_in_process() { # round
   local name="in-process.r$1" load
   load="$(cut -d' ' -f1 /proc/loadavg)"
-  log "$name: kvroute demo --json --policies cache-aware,round-robin (in-process fleet; load $load)"
-  "$bin/kvroute" demo --json --policies cache-aware,round-robin --fleet-prefill "$FLEET_PREFILL" >"$out/$name.json" \
+  log "$name: kvroute-demo --json --policies cache-aware,round-robin (in-process fleet; load $load)"
+  "$bin/kvroute-demo" --json --policies cache-aware,round-robin --fleet-prefill "$FLEET_PREFILL" >"$out/$name.json" \
     2>"$out/$name.driver.log" || log "$name: demo reported failures (see $out/$name.driver.log)"
   printf '%s\t%s\t%s\t%s\n' "$1" in-process "$load" "$out/$name.json" >>"$results"
 }

@@ -35,7 +35,9 @@
 #      window) LAT_PAIRS (3; alternating direct/router latency windows per row) RATE (1000)
 #      CONNS (32) RSS_REQUESTS (1000000; 0 skips
 #      the RSS run) PORT_BASE (18100; ports PORT_BASE..PORT_BASE+499 are used) ROWS (regex over
-#      row names; default all) SKIP_INSTALL (1 = do not apt/pip)
+#      row names; default all) SKIP_INSTALL (1 = do not apt/pip) ROUTER_BIN_BASELINE (a second
+#      kvroute binary, e.g. the parent commit's: its round_robin and cache_aware-nginx rows run
+#      too, as kvroute-baseline-*, for a before/after comparison in one run)
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -101,6 +103,7 @@ fi
   echo "uncommitted changes in the tree: $(git -C "$root" status --porcelain 2>/dev/null | wc -l) paths"
   echo "machine: $(nproc) cpus, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
   echo "kvroute built with cargo profile: $ROUTER_PROFILE (the tools: release)"
+  echo "baseline router binary (ROUTER_BIN_BASELINE): ${ROUTER_BIN_BASELINE:-none}"
 } >"$out/provenance.txt"
 bin="$root/target/release"
 # The router under test; the load generator and the simulated engines are always release builds.
@@ -388,25 +391,41 @@ for pol in round_robin cache_aware; do
   fi
 done
 
-if want kvroute-round_robin; then
-  start_kvroute round-robin "$NG_A" "$NG_B"
-  measure kvroute-round_robin-completions-ids kvroute round_robin nginx "$R/v1/completions" completions-ids.json
-  stop_router
-fi
-if want kvroute-cache_aware-nginx; then
-  start_kvroute cache-aware "$NG_A" "$NG_B"
-  # Put the prompt into the index: sim publisher engine 0 stores it and publishes the blocks,
-  # which kvroute attributes to nginx worker A (whose /server_info advertises that publisher).
-  curl -s --max-time 10 -o /dev/null -XPOST "http://127.0.0.1:$PUB_HTTP/v1/completions" -H 'content-type: application/json' \
-    --data-binary "@$out/completions-ids.json"
-  if ! wait_kv_applied "prompt stored by the publisher sim"; then
-    log "kvroute-cache_aware-nginx: the index never received the prompt; the row measures cold routing"
+# The kvroute rows every comparison needs, for one router binary under a row-name label. With
+# ROUTER_BIN_BASELINE set they run again with that binary (rows kvroute-baseline-*), in the same
+# run against the same backends, so a change is judged against its parent side by side.
+kvroute_core_rows() { # label binary
+  local label="$1"
+  router_bin="$2"
+  if want "$label-round_robin"; then
+    start_kvroute round-robin "$NG_A" "$NG_B"
+    measure "$label-round_robin-completions-ids" kvroute round_robin nginx "$R/v1/completions" completions-ids.json
+    stop_router
   fi
-  curl -s --max-time 10 -D "$out/kvroute-decision-nginx.txt" -o /dev/null -XPOST "$R/v1/completions" \
-    -H 'content-type: application/json' --data-binary "@$out/completions-ids.json"
-  measure kvroute-cache_aware-nginx-completions-ids kvroute cache_aware "nginx + sim KV publishers" "$R/v1/completions" completions-ids.json
-  stop_router
+  if want "$label-cache_aware-nginx"; then
+    # Fresh publisher sims: a prompt they already cached produces no new KV event, so a second
+    # router (the baseline pass) would never learn it.
+    fresh_sims publishers
+    start_kvroute cache-aware "$NG_A" "$NG_B"
+    # Put the prompt into the index: sim publisher engine 0 stores it and publishes the blocks,
+    # which kvroute attributes to nginx worker A (whose /server_info advertises that publisher).
+    curl -s --max-time 10 -o /dev/null -XPOST "http://127.0.0.1:$PUB_HTTP/v1/completions" -H 'content-type: application/json' \
+      --data-binary "@$out/completions-ids.json"
+    if ! wait_kv_applied "prompt stored by the publisher sim"; then
+      log "$label-cache_aware-nginx: the index never received the prompt; the row measures cold routing"
+    fi
+    curl -s --max-time 10 -D "$out/$label-decision-nginx.txt" -o /dev/null -XPOST "$R/v1/completions" \
+      -H 'content-type: application/json' --data-binary "@$out/completions-ids.json"
+    measure "$label-cache_aware-nginx-completions-ids" kvroute cache_aware "nginx + sim KV publishers" "$R/v1/completions" completions-ids.json
+    stop_router
+  fi
+}
+router_bin_main="$router_bin"
+kvroute_core_rows kvroute "$router_bin_main"
+if [ -n "${ROUTER_BIN_BASELINE:-}" ]; then
+  kvroute_core_rows kvroute-baseline "$ROUTER_BIN_BASELINE"
 fi
+router_bin="$router_bin_main"
 if want kvroute-cache_aware-chat; then
   # Multi-turn chat through kvroute: the router renders the chat template and tokenizes with the
   # bundled tokenizer (segment cache warm), hashes, matches, scores and forwards. The paired

@@ -3,7 +3,7 @@
 //! A load run can record millions of samples; keeping them all would make memory grow with the
 //! run length, so latencies go into buckets whose width is a fixed fraction of their value
 //! (`SUB_BUCKETS` per power of two, i.e. under 1.6% relative error), in memory that does not depend
-//! on the number of samples. Values are nanoseconds; anything above `MAX_TRACKED_NS` is clamped
+//! on the number of samples. Values are nanoseconds; anything above `TRACKED_MAX_NS` is clamped
 //! into the last bucket and still counted (the exact maximum is kept separately).
 
 /// Buckets per power of two above `EXACT_BELOW_NS`: a bucket is at most `1 / SUB_BUCKETS` of
@@ -12,8 +12,8 @@ pub const SUB_BUCKETS: usize = 64;
 /// Values below this are counted exactly, one bucket each.
 const EXACT_BELOW_NS: u64 = 2 * SUB_BUCKETS as u64;
 /// Largest value resolved by buckets (~68.7 s); larger values land in the last bucket.
-pub const MAX_TRACKED_NS: u64 = (1 << 36) - 1;
-const BUCKETS: usize = bucket_of(MAX_TRACKED_NS) + 1;
+pub const TRACKED_MAX_NS: u64 = (1 << 36) - 1;
+const BUCKETS: usize = bucket_of(TRACKED_MAX_NS) + 1;
 
 /// Latency histogram in nanoseconds.
 #[derive(Clone)]
@@ -31,8 +31,8 @@ impl Default for Histogram {
 }
 
 const fn bucket_of(v: u64) -> usize {
-    let v = if v > MAX_TRACKED_NS {
-        MAX_TRACKED_NS
+    let v = if v > TRACKED_MAX_NS {
+        TRACKED_MAX_NS
     } else {
         v
     };
@@ -156,18 +156,18 @@ mod tests {
         assert_eq!(h.quantile_ns(0.5), 3);
         assert_eq!(h.count(), 2);
         assert_eq!(h.max_ns(), u64::MAX / 2);
-        assert!(h.quantile_ns(1.0) >= MAX_TRACKED_NS / 2);
+        assert!(h.quantile_ns(1.0) >= TRACKED_MAX_NS / 2);
     }
 
     #[test]
     fn every_bucket_upper_edge_maps_back_to_its_bucket() {
         for b in 0..BUCKETS {
             let hi = bucket_high(b);
-            if hi > MAX_TRACKED_NS {
+            if hi > TRACKED_MAX_NS {
                 break;
             }
             assert_eq!(bucket_of(hi), b, "bucket {b} edge {hi}");
-            if hi < MAX_TRACKED_NS {
+            if hi < TRACKED_MAX_NS {
                 assert_eq!(bucket_of(hi + 1), b + 1, "value after bucket {b}'s edge");
             }
         }

@@ -8,9 +8,9 @@
 //! (no coordinated omission), exactly as a real client population would see it. In the closed
 //! loop a request is scheduled when its worker becomes free, which measures capacity instead.
 //!
-//! Everything is bounded: connections (`MAX_CONNECTIONS`), response bodies
-//! (`MAX_RESPONSE_BYTES`), request bodies (`MAX_REQUEST_BODY_BYTES`), per-request time
-//! (`request_timeout_ms`), reconnect attempts (`MAX_CONSECUTIVE_CONNECT_FAILURES`) and how long a
+//! Everything is bounded: connections (`CONNECTIONS_MAX`), response bodies
+//! (`RESPONSE_MAX_BYTES`), request bodies (`REQUEST_BODY_MAX_BYTES`), per-request time
+//! (`request_timeout_ms`), reconnect attempts (`CONSECUTIVE_CONNECT_FAILURES_MAX`) and how long a
 //! behind-schedule open loop may keep sending after the run's end (`OPEN_LOOP_DRAIN_GRACE_MS`);
 //! latencies go into a fixed-size histogram, so memory does not grow with the run length.
 
@@ -29,28 +29,28 @@ use tokio::net::TcpStream;
 use crate::histogram::Histogram;
 
 /// Most connections one run may open.
-pub const MAX_CONNECTIONS: usize = 4_096;
+pub const CONNECTIONS_MAX: usize = 4_096;
 /// Largest response body read (and discarded) per request.
-pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
+pub const RESPONSE_MAX_BYTES: usize = 4 * 1024 * 1024;
 /// Largest request body accepted from `--body-file`.
-pub const MAX_REQUEST_BODY_BYTES: u64 = 64 * 1024 * 1024;
+pub const REQUEST_BODY_MAX_BYTES: u64 = 64 * 1024 * 1024;
 /// Connect failures in a row after which a worker gives up.
-pub const MAX_CONSECUTIVE_CONNECT_FAILURES: u32 = 20;
+pub const CONSECUTIVE_CONNECT_FAILURES_MAX: u32 = 20;
 /// Pause between reconnect attempts.
 pub const RECONNECT_BACKOFF_MS: u64 = 50;
 /// How long an open loop that fell behind its schedule keeps sending after the planned end;
 /// requests still unsent then are reported as `not_sent`, never silently dropped.
 pub const OPEN_LOOP_DRAIN_GRACE_MS: u64 = 5_000;
 /// Largest accepted rate for the open loop.
-pub const MAX_RATE_PER_S: f64 = 10_000_000.0;
+pub const RATE_MAX_PER_S: f64 = 10_000_000.0;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error("url {0:?}: only http://HOST:PORT/PATH is supported")]
     BadUrl(String),
-    #[error("connections must be 1..={MAX_CONNECTIONS}, got {0}")]
+    #[error("connections must be 1..={CONNECTIONS_MAX}, got {0}")]
     BadConnections(usize),
-    #[error("rate must be > 0 and <= {MAX_RATE_PER_S} req/s, got {0}")]
+    #[error("rate must be > 0 and <= {RATE_MAX_PER_S} req/s, got {0}")]
     BadRate(f64),
     #[error("header {0:?}: expected 'Name: value'")]
     BadHeader(String),
@@ -106,7 +106,7 @@ pub fn parse_header(h: &str) -> Result<(HeaderName, HeaderValue), LoadError> {
     Ok((name, value))
 }
 
-/// Reads a request body file, refusing files over `MAX_REQUEST_BODY_BYTES`.
+/// Reads a request body file, refusing files over `REQUEST_BODY_MAX_BYTES`.
 pub fn read_body_file(path: &str) -> Result<Bytes, LoadError> {
     let bad = |reason: String| LoadError::BadBody {
         path: path.to_string(),
@@ -115,9 +115,9 @@ pub fn read_body_file(path: &str) -> Result<Bytes, LoadError> {
     let len = std::fs::metadata(path)
         .map_err(|e| bad(e.to_string()))?
         .len();
-    if len > MAX_REQUEST_BODY_BYTES {
+    if len > REQUEST_BODY_MAX_BYTES {
         return Err(bad(format!(
-            "{len} bytes exceeds MAX_REQUEST_BODY_BYTES {MAX_REQUEST_BODY_BYTES}"
+            "{len} bytes exceeds REQUEST_BODY_MAX_BYTES {REQUEST_BODY_MAX_BYTES}"
         )));
     }
     Ok(Bytes::from(
@@ -224,7 +224,7 @@ async fn one_request(sender: &mut Sender, cfg: &LoadConfig) -> Outcome {
         sender.ready().await.map_err(|e| e.to_string())?;
         let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
         let status = resp.status();
-        Limited::new(resp.into_body(), MAX_RESPONSE_BYTES)
+        Limited::new(resp.into_body(), RESPONSE_MAX_BYTES)
             .collect()
             .await
             .map_err(|e| e.to_string())?;
@@ -344,7 +344,7 @@ async fn worker(shared: Arc<Shared>, mut sender: Sender) -> WorkerResult {
                         connect_failures += 1;
                         res.errors_io += 1;
                         res.first_error.get_or_insert(e.to_string());
-                        if connect_failures >= MAX_CONSECUTIVE_CONNECT_FAILURES {
+                        if connect_failures >= CONSECUTIVE_CONNECT_FAILURES_MAX {
                             return res;
                         }
                         tokio::time::sleep(Duration::from_millis(RECONNECT_BACKOFF_MS)).await;
@@ -359,11 +359,11 @@ async fn worker(shared: Arc<Shared>, mut sender: Sender) -> WorkerResult {
 /// Runs the load described by `cfg` and returns its report. Fails only when the configuration
 /// is invalid or no connection can be opened at the start; errors during the run are counted.
 pub async fn run(cfg: LoadConfig) -> Result<Report, LoadError> {
-    if cfg.connections == 0 || cfg.connections > MAX_CONNECTIONS {
+    if cfg.connections == 0 || cfg.connections > CONNECTIONS_MAX {
         return Err(LoadError::BadConnections(cfg.connections));
     }
     if let Mode::Open { rate_per_s } = cfg.mode
-        && !(rate_per_s > 0.0 && rate_per_s <= MAX_RATE_PER_S)
+        && !(rate_per_s > 0.0 && rate_per_s <= RATE_MAX_PER_S)
     {
         return Err(LoadError::BadRate(rate_per_s));
     }

@@ -53,7 +53,7 @@
 //!   removed by hash again).
 //! * Removal of an unknown engine hash is counted (`removed_unknown_blocks`), not an error. A
 //!   node with no carriers and no children is pruned, upward. Removal events hold one shard write
-//!   lock per run of blocks in the same shard (bounded by [`MAX_BLOCKS_PER_LOCK`]), so a reader sees
+//!   lock per run of blocks in the same shard (bounded by [`BLOCKS_PER_LOCK_MAX`]), so a reader sees
 //!   a removed chain whole or gone.
 //! * Over `max_carried_blocks`, least-recently-matched leaves lose all their carriers until the
 //!   count is at [`EVICT_TARGET_PERCENT`] of the cap (`evicted_carriers`, `eviction_runs`).
@@ -78,16 +78,16 @@ pub const TIER_ALL: u8 = 0x0f;
 
 /// Rank ids share a `u32` with the 4 tier bits inside a carrier, so at most 2^28 - 1 ranks can
 /// ever be registered in one index's lifetime (ids are never reused).
-pub const MAX_RANK_IDS: u32 = (1 << 28) - 1;
+pub const RANK_IDS_MAX: u32 = (1 << 28) - 1;
 /// Largest shard count accepted (node refs pack the shard into the low bits of a `u32`).
-pub const MAX_SHARD_COUNT: usize = 256;
+pub const SHARD_COUNT_MAX: usize = 256;
 /// Default number of shards.
 pub const DEFAULT_SHARD_COUNT: usize = 32;
 /// Default cap on carried (rank, block) pairs: ~50 M pairs is a few GB at most.
-pub const DEFAULT_MAX_CARRIED_BLOCKS: u64 = 50_000_000;
+pub const DEFAULT_CARRIED_BLOCKS_MAX: u64 = 50_000_000;
 /// Blocks of one removal event applied under one shard write lock before it is released, which
 /// bounds how long a reader can wait behind a huge removal.
-pub const MAX_BLOCKS_PER_LOCK: usize = 4096;
+pub const BLOCKS_PER_LOCK_MAX: usize = 4096;
 /// How many blocks ahead of the block being matched the routing path requests hash slots
 /// (and `match_tokens` hashes) while chains are not being followed through the slab; see
 /// `match_prefix`.
@@ -97,11 +97,11 @@ pub const EVICT_TARGET_PERCENT: u64 = 95;
 
 const NONE: u32 = u32::MAX;
 const EMPTY_CARRIER: u32 = u32::MAX;
-/// `Node::parent` of a free slab slot. Never a slab index: see [`MAX_NODES_PER_SHARD`].
+/// `Node::parent` of a free slab slot. Never a slab index: see [`NODES_PER_SHARD_MAX`].
 pub(crate) const FREE_PARENT: u32 = u32::MAX - 1;
 /// Slab slots per shard. Node carrier slots encode a list index in 28 bits (see `Node`), and
 /// there are never more lists than nodes; it also keeps [`FREE_PARENT`] out of the index range.
-pub const MAX_NODES_PER_SHARD: u32 = (1 << 28) - 2;
+pub const NODES_PER_SHARD_MAX: u32 = (1 << 28) - 2;
 
 /// Dense id of a registered rank. Never reused within one index's lifetime, so a stale id can
 /// only miss, never alias another rank.
@@ -112,7 +112,7 @@ pub struct RankId(pub u32);
 pub struct IndexConfig {
     /// Tokens per block; events with another block size are counted and skipped.
     pub block_size: u32,
-    /// Power of two, 1..=[`MAX_SHARD_COUNT`]; other values are rounded up / clamped.
+    /// Power of two, 1..=[`SHARD_COUNT_MAX`]; other values are rounded up / clamped.
     pub shard_count: usize,
     /// Cap on carried (rank, block) pairs before least-recently-matched leaves are evicted.
     pub max_carried_blocks: u64,
@@ -123,7 +123,7 @@ impl IndexConfig {
         Self {
             block_size,
             shard_count: DEFAULT_SHARD_COUNT,
-            max_carried_blocks: DEFAULT_MAX_CARRIED_BLOCKS,
+            max_carried_blocks: DEFAULT_CARRIED_BLOCKS_MAX,
         }
     }
 }
@@ -891,7 +891,7 @@ impl PrefixIndex {
     pub fn new(cfg: IndexConfig) -> (IndexWriter, IndexReader) {
         let shard_count = cfg
             .shard_count
-            .clamp(1, MAX_SHARD_COUNT)
+            .clamp(1, SHARD_COUNT_MAX)
             .next_power_of_two();
         let shard_bits = shard_count.trailing_zeros();
         let cfg = IndexConfig { shard_count, ..cfg };
@@ -900,7 +900,7 @@ impl PrefixIndex {
             shard_shift: 64 - shard_bits,
             shard_bits,
             max_nodes_per_shard: (((1u64 << (32 - shard_bits)) - 1) as u32)
-                .min(MAX_NODES_PER_SHARD),
+                .min(NODES_PER_SHARD_MAX),
             shards: (0..shard_count)
                 .map(|_| RwLock::new(Shard::new()))
                 .collect(),
@@ -937,10 +937,10 @@ impl IndexWriter {
         if let Some(&id) = self.by_ref.get(&rank_ref) {
             return id;
         }
-        // Beyond MAX_RANK_IDS registrations (2^28) ids would collide with the tier bits; that
+        // Beyond RANK_IDS_MAX registrations (2^28) ids would collide with the tier bits; that
         // many registrations in one process is not a realistic input, so it saturates loudly in
         // debug builds only.
-        debug_assert!((self.ranks.len() as u32) < MAX_RANK_IDS);
+        debug_assert!((self.ranks.len() as u32) < RANK_IDS_MAX);
         let id = RankId(self.ranks.len() as u32);
         let stats = Arc::new(RankShared {
             rank_ref: rank_ref.clone(),
@@ -1238,7 +1238,7 @@ impl IndexWriter {
                 continue;
             };
             let (s_idx, idx) = shared.split_ref(node_ref);
-            let reuse = matches!(&held, Some((s, _, n)) if *s == s_idx && *n < MAX_BLOCKS_PER_LOCK);
+            let reuse = matches!(&held, Some((s, _, n)) if *s == s_idx && *n < BLOCKS_PER_LOCK_MAX);
             if !reuse {
                 drop(held.take());
                 let mut g = shared.shards[s_idx].write();

@@ -149,7 +149,7 @@ pub fn validate_structure(s: &IndexSnapshot) -> Result<(), RestoreError> {
         }
     }
     let ranks = s.ranks.len();
-    if ranks > crate::index::MAX_RANK_IDS as usize {
+    if ranks > crate::index::RANK_IDS_MAX as usize {
         return Err(RestoreError::TooManyRanks { ranks });
     }
     for (i, &r) in n.carrier_rank.iter().enumerate() {
@@ -270,7 +270,7 @@ impl IndexReader {
 
         let total_hint = shared
             .total_carried_hint()
-            .min(crate::index::DEFAULT_MAX_CARRIED_BLOCKS) as usize;
+            .min(crate::index::DEFAULT_CARRIED_BLOCKS_MAX) as usize;
         let mut out = SnapshotNodes {
             carrier_rank: Vec::with_capacity(total_hint),
             carrier_tiers: Vec::with_capacity(total_hint),

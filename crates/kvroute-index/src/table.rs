@@ -17,7 +17,7 @@
 //! * growth and deletion compute every entry's home from its slot alone, never touching nodes;
 //! * growth is a single linear merge pass, so the table can grow in small steps (x1.25).
 //!
-//! Runs never wrap around: spare tail slots (at least `MIN_TAIL_SLOTS`) follow the last home, the
+//! Runs never wrap around: spare tail slots (at least `TAIL_SLOTS_MIN`) follow the last home, the
 //! last slot is always empty (it ends every probe), and an insert that would fill it doubles the
 //! tail. The tail, not the home count, grows there: hashes crafted to share one tag pile onto one
 //! home however many homes there are, so only a longer tail is sure to make room.
@@ -29,15 +29,15 @@ const TAG_MASK: u64 = 0xFFFF_FFFF_0000_0000;
 /// clearly slower at 0.9 than at 0.75: entries sit further from their prefetched home, often in
 /// the next cache line. 0.8 is the lowest cap that keeps the index within its 40 B per carried
 /// pair budget (0.75 with the same growth step measured 40.1 B; see docs/BENCHMARKS.md).
-const MAX_LOAD_NUM: usize = 4;
-const MAX_LOAD_DEN: usize = 5;
+const LOAD_NUM_MAX: usize = 4;
+const LOAD_DEN_MAX: usize = 5;
 /// Each growth step multiplies the home count by 5/4, which keeps the load between 0.64 and 0.8
 /// (doubling would let it fall to 0.4 right after a step).
 const GROWTH_NUM: usize = 5;
 const GROWTH_DEN: usize = 4;
-const MIN_HOMES: usize = 16;
+const HOMES_MIN: usize = 16;
 /// Spare slots past the last home, so the runs of the highest homes never need to wrap.
-const MIN_TAIL_SLOTS: usize = 64;
+const TAIL_SLOTS_MIN: usize = 64;
 
 #[inline]
 fn pack(hash: u64, idx: u32) -> u64 {
@@ -142,7 +142,7 @@ impl HashSlots {
         self.reserve(1);
         let slot = pack(hash, idx);
         while !self.try_place(slot) {
-            self.rebuild(self.homes, self.tail.max(MIN_TAIL_SLOTS) * 2);
+            self.rebuild(self.homes, self.tail.max(TAIL_SLOTS_MIN) * 2);
         }
         self.len += 1;
     }
@@ -187,17 +187,17 @@ impl HashSlots {
     }
 
     fn grown_homes(&self, homes: usize) -> usize {
-        (homes.max(MIN_HOMES) * GROWTH_NUM).div_ceil(GROWTH_DEN)
+        (homes.max(HOMES_MIN) * GROWTH_NUM).div_ceil(GROWTH_DEN)
     }
 
     /// Ensures room for `additional` more entries without exceeding the load threshold.
     pub(crate) fn reserve(&mut self, additional: usize) {
         let need = self.len + additional;
-        if !self.slots.is_empty() && need * MAX_LOAD_DEN <= self.homes * MAX_LOAD_NUM {
+        if !self.slots.is_empty() && need * LOAD_DEN_MAX <= self.homes * LOAD_NUM_MAX {
             return;
         }
-        let mut homes = self.homes.max(MIN_HOMES);
-        while need * MAX_LOAD_DEN > homes * MAX_LOAD_NUM {
+        let mut homes = self.homes.max(HOMES_MIN);
+        while need * LOAD_DEN_MAX > homes * LOAD_NUM_MAX {
             homes = self.grown_homes(homes);
         }
         self.rebuild(homes, self.tail);
@@ -210,7 +210,7 @@ impl HashSlots {
     fn rebuild(&mut self, homes: usize, tail: usize) {
         let old = std::mem::take(&mut self.slots);
         self.homes = homes;
-        self.tail = tail.max(MIN_TAIL_SLOTS);
+        self.tail = tail.max(TAIL_SLOTS_MIN);
         loop {
             let n = homes + self.tail;
             let mut slots = vec![EMPTY; n];

@@ -31,8 +31,9 @@ use crate::transport::ZmqSource;
 
 /// Default shard count of each model's index.
 pub const DEFAULT_SHARD_COUNT: usize = 64;
-/// Default cap on carried (rank, block) pairs per model index.
-pub const DEFAULT_MAX_CARRIED_BLOCKS: usize = 50_000_000;
+/// Default cap on carried (rank, block) pairs per model index: the index's own default.
+pub const DEFAULT_CARRIED_BLOCKS_MAX: usize =
+    kvroute_index::index::DEFAULT_CARRIED_BLOCKS_MAX as usize;
 
 #[derive(Debug, Clone)]
 pub struct KvPlaneConfig {
@@ -46,7 +47,7 @@ impl Default for KvPlaneConfig {
     fn default() -> Self {
         Self {
             shard_count: DEFAULT_SHARD_COUNT,
-            max_carried_blocks: DEFAULT_MAX_CARRIED_BLOCKS,
+            max_carried_blocks: DEFAULT_CARRIED_BLOCKS_MAX,
             default_block_size: None,
         }
     }

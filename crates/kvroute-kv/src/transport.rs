@@ -16,11 +16,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
+use kvroute_wire::PAYLOAD_MAX_BYTES;
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
-/// Largest payload frame accepted from an engine, checked before decoding. A batch is a few KiB
-/// to a few MiB (vLLM sends token ids for every stored block); anything larger is refused.
-pub const PAYLOAD_MAX_BYTES: usize = 32 * 1024 * 1024;
 /// Largest topic frame accepted (topics are short configured strings).
 pub const TOPIC_MAX_BYTES: usize = 1024;
 /// Upper bound of one SUB connect attempt; attempts repeat until the caller gives up, so this only

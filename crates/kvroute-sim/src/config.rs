@@ -18,15 +18,17 @@ use kvroute_wire::Encoding;
 
 /// Largest completion the simulator will generate for one request (`max_tokens` above it is a
 /// 400), so a single request cannot pin a slot or a buffer for unbounded time.
-pub const MAX_COMPLETION_TOKENS: u32 = 8192;
+pub const COMPLETION_MAX_TOKENS: u32 = 8192;
 /// Largest prompt accepted, in tokens (400 above it), the simulated context window.
-pub const MAX_PROMPT_TOKENS: usize = 131_072;
+pub const PROMPT_MAX_TOKENS: usize = 131_072;
 /// Largest fleet one process will start.
-pub const MAX_ENGINES: usize = 256;
-/// Largest data-parallel size of one engine.
-pub const MAX_DP_SIZE: usize = 64;
+pub const ENGINES_MAX: usize = 256;
+/// Largest data-parallel size of one simulated engine: each rank is a real cache, PUB and replay
+/// socket in this process. Not the router's limit on what an engine may advertise
+/// (`kvroute_kv::discovery::DP_SIZE_MAX`), which real engines set.
+pub const SIMULATED_DP_SIZE_MAX: usize = 64;
 /// Largest block (page) size in tokens.
-pub const MAX_BLOCK_SIZE_TOKENS: usize = 1024;
+pub const BLOCK_SIZE_MAX_TOKENS: usize = 1024;
 
 /// The KV-event encodings an engine can be told to publish (see `kvroute_wire::Encoding`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -194,14 +196,14 @@ impl SimConfig {
     /// Rejects configurations that would panic or allocate without bound later.
     pub fn validate(&self) -> Result<(), crate::SimError> {
         let bad = |msg: String| Err(crate::SimError::Config(msg));
-        if self.engines == 0 || self.engines > MAX_ENGINES {
-            return bad(format!("--engines must be 1..={MAX_ENGINES}"));
+        if self.engines == 0 || self.engines > ENGINES_MAX {
+            return bad(format!("--engines must be 1..={ENGINES_MAX}"));
         }
-        if self.dp_size == 0 || self.dp_size > MAX_DP_SIZE {
-            return bad(format!("--dp-size must be 1..={MAX_DP_SIZE}"));
+        if self.dp_size == 0 || self.dp_size > SIMULATED_DP_SIZE_MAX {
+            return bad(format!("--dp-size must be 1..={SIMULATED_DP_SIZE_MAX}"));
         }
-        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE_TOKENS {
-            return bad(format!("--block-size must be 1..={MAX_BLOCK_SIZE_TOKENS}"));
+        if self.block_size == 0 || self.block_size > BLOCK_SIZE_MAX_TOKENS {
+            return bad(format!("--block-size must be 1..={BLOCK_SIZE_MAX_TOKENS}"));
         }
         if self.capacity_blocks == 0 {
             return bad("--capacity-blocks must be positive".into());

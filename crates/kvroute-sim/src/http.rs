@@ -30,7 +30,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::config::{MAX_COMPLETION_TOKENS, MAX_PROMPT_TOKENS};
+use crate::config::{COMPLETION_MAX_TOKENS, PROMPT_MAX_TOKENS};
 use crate::engine::{Engine, STORE_CHAINS_MAX};
 use crate::tokenizer::ChatMessage;
 
@@ -355,9 +355,9 @@ fn rank_hint(
 
 fn check_max_tokens(n: Option<u32>, param: &'static str) -> Result<usize, ApiError> {
     let n = n.unwrap_or(DEFAULT_MAX_TOKENS);
-    if n > MAX_COMPLETION_TOKENS {
+    if n > COMPLETION_MAX_TOKENS {
         return Err(ApiError::bad_request(
-            format!("{param} {n} exceeds the limit of {MAX_COMPLETION_TOKENS}"),
+            format!("{param} {n} exceeds the limit of {COMPLETION_MAX_TOKENS}"),
             Some(param),
         ));
     }
@@ -371,10 +371,10 @@ fn check_prompt(tokens: Vec<u32>, param: &'static str) -> Result<Vec<u32>, ApiEr
             Some(param),
         ));
     }
-    if tokens.len() > MAX_PROMPT_TOKENS {
+    if tokens.len() > PROMPT_MAX_TOKENS {
         return Err(ApiError::bad_request(
             format!(
-                "{param} has {} tokens, more than the limit of {MAX_PROMPT_TOKENS}",
+                "{param} has {} tokens, more than the limit of {PROMPT_MAX_TOKENS}",
                 tokens.len()
             ),
             Some(param),
@@ -386,7 +386,7 @@ fn check_prompt(tokens: Vec<u32>, param: &'static str) -> Result<Vec<u32>, ApiEr
 fn encode_text(engine: &Engine, text: &str, param: &'static str) -> Result<Vec<u32>, ApiError> {
     // Cheap pre-check so a huge text is refused before tokenizing it (a token is >= 1 byte in
     // a byte-level BPE only loosely, so allow generous headroom).
-    if text.len() > MAX_PROMPT_TOKENS * 16 {
+    if text.len() > PROMPT_MAX_TOKENS * 16 {
         return Err(ApiError::bad_request(
             format!("{param} is too long"),
             Some(param),
@@ -720,7 +720,7 @@ async fn tokenize(
     };
     Ok(axum::Json(json!({
         "count": tokens.len(),
-        "max_model_len": MAX_PROMPT_TOKENS,
+        "max_model_len": PROMPT_MAX_TOKENS,
         "tokens": tokens,
     })))
 }
@@ -806,7 +806,7 @@ async fn models(State(engine): State<Arc<Engine>>) -> axum::Json<Value> {
             "created": 0,
             "owned_by": "kvroute-sim",
             "root": engine.cfg.served_model_name,
-            "max_model_len": MAX_PROMPT_TOKENS,
+            "max_model_len": PROMPT_MAX_TOKENS,
         }],
     }))
 }
@@ -905,10 +905,10 @@ async fn control_store(
 ) -> Result<axum::Json<Value>, ApiError> {
     let req: StoreBody = parse_control(body)?;
     let rank = control_rank(&engine, req.dp_rank)?;
-    if req.chains.len() > STORE_CHAINS_MAX || req.chains.iter().any(|c| c.len() > MAX_PROMPT_TOKENS)
+    if req.chains.len() > STORE_CHAINS_MAX || req.chains.iter().any(|c| c.len() > PROMPT_MAX_TOKENS)
     {
         return Err(ApiError::bad_request(
-            format!("at most {STORE_CHAINS_MAX} chains of {MAX_PROMPT_TOKENS} tokens"),
+            format!("at most {STORE_CHAINS_MAX} chains of {PROMPT_MAX_TOKENS} tokens"),
             Some("chains"),
         ));
     }

@@ -21,7 +21,7 @@ use crate::SimError;
 const FALLBACK_CHAT_TEMPLATE: &str = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
 /// Largest tokenizer_config.json read, so a wrong path cannot make startup read a huge file.
-const MAX_TOKENIZER_CONFIG_BYTES: u64 = 4 * 1024 * 1024;
+const TOKENIZER_CONFIG_MAX_BYTES: u64 = 4 * 1024 * 1024;
 
 /// One chat message after normalisation (content parts joined to a string).
 #[derive(Debug, Clone, Serialize)]
@@ -168,9 +168,9 @@ fn read_config(path: &Path) -> Result<serde_json::Value, SimError> {
     let len = std::fs::metadata(path)
         .map_err(|e| err(e.to_string()))?
         .len();
-    if len > MAX_TOKENIZER_CONFIG_BYTES {
+    if len > TOKENIZER_CONFIG_MAX_BYTES {
         return Err(err(format!(
-            "larger than {MAX_TOKENIZER_CONFIG_BYTES} bytes"
+            "larger than {TOKENIZER_CONFIG_MAX_BYTES} bytes"
         )));
     }
     let body = std::fs::read(path).map_err(|e| err(e.to_string()))?;

@@ -46,7 +46,7 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::compress::{CompressingWriter, Compression, decompress_bounded};
 use crate::error::{SnapshotDecodeError, SnapshotEncodeError};
-use crate::limits::{DecodeLimits, MAX_HASH_SCHEME_BYTES, MAX_WORKER_URL_BYTES, MIN_MAC_KEY_BYTES};
+use crate::limits::{DecodeLimits, HASH_SCHEME_MAX_BYTES, MAC_KEY_MIN_BYTES, WORKER_URL_MAX_BYTES};
 use crate::varint::{Reader, put_varint, unzigzag, zigzag};
 
 /// First four bytes of every binary snapshot.
@@ -68,11 +68,11 @@ const SHAPE_SHARED_ENGINE_HASH: u64 = 0b01;
 const SHAPE_SAME_RANKS_AS_PARENT: u64 = 0b10;
 const SHAPE_COUNT_SHIFT: u32 = 2;
 /// Cheapest possible node on the wire: a parent varint, 8 content-hash bytes, a shape varint.
-const MIN_NODE_BYTES: usize = 1 + 8 + 1;
+const NODE_MIN_BYTES: usize = 1 + 8 + 1;
 /// Cheapest rank-table entry: an empty URL (1 byte) and a dp rank (1 byte).
-const MIN_RANK_BYTES: usize = 2;
+const RANK_MIN_BYTES: usize = 2;
 /// Cheapest cursor: rank, seq, 8-byte ts.
-const MIN_CURSOR_BYTES: usize = 1 + 1 + 8;
+const CURSOR_MIN_BYTES: usize = 1 + 1 + 8;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -106,7 +106,7 @@ pub fn encode_binary<W: Write>(
             Some(
                 new_mac(key).map_err(|len_bytes| SnapshotEncodeError::MacKeyTooShort {
                     len_bytes,
-                    min_bytes: MIN_MAC_KEY_BYTES,
+                    min_bytes: MAC_KEY_MIN_BYTES,
                 })?,
             )
         }
@@ -198,7 +198,7 @@ pub fn decode_binary(
             Some(
                 new_mac(key).map_err(|len_bytes| SnapshotDecodeError::MacKeyTooShort {
                     len_bytes,
-                    min_bytes: MIN_MAC_KEY_BYTES,
+                    min_bytes: MAC_KEY_MIN_BYTES,
                 })?,
             )
         }
@@ -303,7 +303,7 @@ impl<W: Write> Write for MacTee<W> {
 
 /// Errors with the key length when the key is too short to be a real secret.
 fn new_mac(key: &[u8]) -> Result<HmacSha256, usize> {
-    if key.len() < MIN_MAC_KEY_BYTES {
+    if key.len() < MAC_KEY_MIN_BYTES {
         return Err(key.len());
     }
     HmacSha256::new_from_slice(key).map_err(|_| key.len())
@@ -502,7 +502,7 @@ fn decode_fields(
 ) -> Result<IndexSnapshot, SnapshotDecodeError> {
     let mut r = Reader::new(content);
     let format = r.varint_u32("format")?;
-    let hash_scheme = r.string("hash_scheme", MAX_HASH_SCHEME_BYTES)?;
+    let hash_scheme = r.string("hash_scheme", HASH_SCHEME_MAX_BYTES)?;
     let block_size = r.varint_u32("block_size")?;
     let producer_ready = match r.u8("producer_ready")? {
         0 => false,
@@ -515,10 +515,10 @@ fn decode_fields(
         }
     };
 
-    let rank_count = r.count("ranks", limits.max_ranks, MIN_RANK_BYTES)?;
+    let rank_count = r.count("ranks", limits.max_ranks, RANK_MIN_BYTES)?;
     let mut ranks = Vec::with_capacity(rank_count);
     for _ in 0..rank_count {
-        let worker_url = r.string("worker_url", MAX_WORKER_URL_BYTES)?;
+        let worker_url = r.string("worker_url", WORKER_URL_MAX_BYTES)?;
         let dp_rank = r.varint_u32("dp_rank")?;
         ranks.push(RankRef {
             worker_url,
@@ -537,7 +537,7 @@ fn decode_fields(
         }
     };
 
-    let cursor_count = r.count("cursors", limits.max_ranks, MIN_CURSOR_BYTES)?;
+    let cursor_count = r.count("cursors", limits.max_ranks, CURSOR_MIN_BYTES)?;
     let mut cursors = Vec::with_capacity(cursor_count);
     for _ in 0..cursor_count {
         let rank = rank_index("cursor rank", r.varint("cursor rank")?)?;
@@ -551,7 +551,7 @@ fn decode_fields(
         empty_ranks.push(rank_index("empty rank", r.varint("empty rank")?)?);
     }
 
-    let node_count = r.count("nodes", limits.max_nodes, MIN_NODE_BYTES)?;
+    let node_count = r.count("nodes", limits.max_nodes, NODE_MIN_BYTES)?;
     let carrier_count = r.count("carriers", limits.max_carriers, 0)?;
     if carrier_count > u32::MAX as usize {
         return Err(SnapshotDecodeError::OutOfRange {

@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::binary::check_encodable;
 use crate::error::{SnapshotDecodeError, SnapshotEncodeError};
-use crate::limits::{DecodeLimits, MAX_HASH_SCHEME_BYTES, MAX_WORKER_URL_BYTES};
+use crate::limits::{DecodeLimits, HASH_SCHEME_MAX_BYTES, WORKER_URL_MAX_BYTES};
 
 /// Version of the JSON shape above.
 pub const JSON_VERSION: u32 = 1;
@@ -113,14 +113,14 @@ pub fn decode_json(
     over(
         "hash_scheme",
         owned.hash_scheme.len(),
-        MAX_HASH_SCHEME_BYTES,
+        HASH_SCHEME_MAX_BYTES,
     )?;
     over("ranks", owned.ranks.len(), limits.max_ranks)?;
     over("cursors", owned.cursors.len(), limits.max_ranks)?;
     over("empty_ranks", owned.empty_ranks.len(), limits.max_ranks)?;
     over("nodes", owned.nodes.len(), limits.max_nodes)?;
     for rank in &owned.ranks {
-        over("worker_url", rank.worker_url.len(), MAX_WORKER_URL_BYTES)?;
+        over("worker_url", rank.worker_url.len(), WORKER_URL_MAX_BYTES)?;
     }
     let rank_count = owned.ranks.len() as u64;
     let check_rank = |field: &'static str, rank: u32| {

@@ -6,17 +6,17 @@
 //! with headroom.
 
 /// Longest `hash_scheme` string accepted.
-pub const MAX_HASH_SCHEME_BYTES: usize = 256;
+pub const HASH_SCHEME_MAX_BYTES: usize = 256;
 /// Longest worker URL accepted in the rank table.
-pub const MAX_WORKER_URL_BYTES: usize = 2048;
+pub const WORKER_URL_MAX_BYTES: usize = 2048;
 /// HMAC keys shorter than this are refused on both sides: a short shared secret is guessable
 /// offline from one captured body.
-pub const MIN_MAC_KEY_BYTES: usize = 16;
+pub const MAC_KEY_MIN_BYTES: usize = 16;
 
-pub const DEFAULT_MAX_NODES: usize = 64 * 1024 * 1024;
-pub const DEFAULT_MAX_CARRIERS: usize = 128 * 1024 * 1024;
-pub const DEFAULT_MAX_RANKS: usize = 16 * 1024;
-pub const DEFAULT_MAX_BYTES: usize = 2 * 1024 * 1024 * 1024;
+pub const DEFAULT_NODES_MAX: usize = 64 * 1024 * 1024;
+pub const DEFAULT_CARRIERS_MAX: usize = 128 * 1024 * 1024;
+pub const DEFAULT_RANKS_MAX: usize = 16 * 1024;
+pub const DEFAULT_DECODED_MAX_BYTES: usize = 2 * 1024 * 1024 * 1024;
 
 /// Ceilings checked before allocating for a decoded snapshot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,10 +34,10 @@ pub struct DecodeLimits {
 impl Default for DecodeLimits {
     fn default() -> Self {
         DecodeLimits {
-            max_nodes: DEFAULT_MAX_NODES,
-            max_carriers: DEFAULT_MAX_CARRIERS,
-            max_ranks: DEFAULT_MAX_RANKS,
-            max_bytes: DEFAULT_MAX_BYTES,
+            max_nodes: DEFAULT_NODES_MAX,
+            max_carriers: DEFAULT_CARRIERS_MAX,
+            max_ranks: DEFAULT_RANKS_MAX,
+            max_bytes: DEFAULT_DECODED_MAX_BYTES,
         }
     }
 }

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{OTHER_KEY, TEST_KEY, random_snapshot, random_snapshot_with_nodes};
-use kvroute_snapshot::limits::MIN_MAC_KEY_BYTES;
+use kvroute_snapshot::limits::MAC_KEY_MIN_BYTES;
 use kvroute_snapshot::{
     BINARY_MAGIC, BINARY_VERSION, Compression, DecodeLimits, EncodeOptions, SnapshotDecodeError,
     SnapshotEncodeError, decode_binary, decode_json, decompress_bounded, encode_binary_to_vec,
@@ -165,7 +165,7 @@ fn truncated_body_fails_its_checksum() {
 #[test]
 fn short_mac_keys_are_refused_on_both_sides() {
     let snapshot = random_snapshot(3, 5, 1);
-    let short = &TEST_KEY[..MIN_MAC_KEY_BYTES - 1];
+    let short = &TEST_KEY[..MAC_KEY_MIN_BYTES - 1];
     let options = EncodeOptions {
         compression: Compression::None,
         mac_key: Some(short),
@@ -184,7 +184,7 @@ fn short_mac_keys_are_refused_on_both_sides() {
         decode_binary(&bytes, &DecodeLimits::default(), Some(short)),
         Err(SnapshotDecodeError::MacKeyTooShort {
             len_bytes: short.len(),
-            min_bytes: MIN_MAC_KEY_BYTES
+            min_bytes: MAC_KEY_MIN_BYTES
         })
     );
 }

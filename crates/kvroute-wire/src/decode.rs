@@ -18,18 +18,20 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, LoadStat, Medium};
 
-/// Largest payload accepted at all. Real batches are kilobytes; this only stops a runaway frame.
-pub const MAX_PAYLOAD_BYTES: usize = 64 * 1024 * 1024;
+/// Largest event payload frame accepted from an engine, checked by the subscriber before the
+/// frame is decoded and again by the decoder. A batch is a few KiB to a few MiB (vLLM sends token
+/// ids for every stored block); anything larger is a runaway frame and is refused.
+pub const PAYLOAD_MAX_BYTES: usize = 32 * 1024 * 1024;
 /// Events in one batch (engines flush every scheduler step, so real batches hold tens).
-pub const MAX_EVENTS_PER_BATCH: usize = 65_536;
+pub const EVENTS_PER_BATCH_MAX: usize = 65_536;
 /// Block hashes in one event (also bounds `extra_keys`, which has one entry per block).
-pub const MAX_HASHES_PER_EVENT: usize = 65_536;
+pub const HASHES_PER_EVENT_MAX: usize = 65_536;
 /// Token ids in one `BlockStored` event.
-pub const MAX_TOKENS_PER_EVENT: usize = 1_048_576;
+pub const TOKENS_PER_EVENT_MAX: usize = 1_048_576;
 /// Containers nested inside one skipped value (unknown keys, `extra_keys` entries).
-pub const MAX_NESTING_DEPTH: usize = 32;
+pub const NESTING_DEPTH_MAX: usize = 32;
 /// Longest string or byte string read as a field (tags, medium, `lora_name`, byte hashes).
-pub const MAX_STRING_BYTES: usize = 4_096;
+pub const STRING_MAX_BYTES: usize = 4_096;
 
 /// Where in the payload a problem was found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,7 +60,7 @@ impl fmt::Display for Location {
 pub enum DecodeError {
     #[error("empty payload")]
     EmptyPayload,
-    #[error("payload is {len_bytes} bytes, over MAX_PAYLOAD_BYTES ({max_bytes})")]
+    #[error("payload is {len_bytes} bytes, over PAYLOAD_MAX_BYTES ({max_bytes})")]
     PayloadTooLarge { len_bytes: usize, max_bytes: usize },
     #[error("{at}: payload ends at byte {offset} inside a value")]
     Truncated { at: Location, offset: usize },
@@ -75,7 +77,7 @@ pub enum DecodeError {
         len: usize,
         max: usize,
     },
-    #[error("{at}: string of {len_bytes} bytes, over MAX_STRING_BYTES ({max_bytes})")]
+    #[error("{at}: string of {len_bytes} bytes, over STRING_MAX_BYTES ({max_bytes})")]
     StringTooLong {
         at: Location,
         len_bytes: usize,
@@ -89,7 +91,7 @@ pub enum DecodeError {
         value: i128,
         range: &'static str,
     },
-    #[error("{at}: value nested deeper than MAX_NESTING_DEPTH ({max_depth})")]
+    #[error("{at}: value nested deeper than NESTING_DEPTH_MAX ({max_depth})")]
     NestingTooDeep { at: Location, max_depth: usize },
     #[error("{at}: reserved msgpack marker 0xc1 at byte {offset}")]
     ReservedMarker { at: Location, offset: usize },
@@ -187,10 +189,10 @@ impl<'a> Reader<'a> {
         if buf.is_empty() {
             return Err(DecodeError::EmptyPayload);
         }
-        if buf.len() > MAX_PAYLOAD_BYTES {
+        if buf.len() > PAYLOAD_MAX_BYTES {
             return Err(DecodeError::PayloadTooLarge {
                 len_bytes: buf.len(),
-                max_bytes: MAX_PAYLOAD_BYTES,
+                max_bytes: PAYLOAD_MAX_BYTES,
             });
         }
         Ok(Reader { buf, pos: 0 })
@@ -374,7 +376,7 @@ impl<'a> Reader<'a> {
         }))
     }
 
-    /// A string's bytes (not validated as UTF-8), bounded by [`MAX_STRING_BYTES`].
+    /// A string's bytes (not validated as UTF-8), bounded by [`STRING_MAX_BYTES`].
     #[inline(always)]
     fn str_bytes(&mut self, at: Location) -> Result<(&'a [u8], usize)> {
         // Keys, tags and medium names are fixstr: take them without the general path.
@@ -401,11 +403,11 @@ impl<'a> Reader<'a> {
             return Err(Self::unexpected(m, offset, at, "string"));
         }
         let len = self.bytes_len_after(m, at)?.unwrap_or(0);
-        if len > MAX_STRING_BYTES {
+        if len > STRING_MAX_BYTES {
             return Err(DecodeError::StringTooLong {
                 at,
                 len_bytes: len,
-                max_bytes: MAX_STRING_BYTES,
+                max_bytes: STRING_MAX_BYTES,
             });
         }
         Ok((self.take(len, at)?, offset))
@@ -442,11 +444,11 @@ impl<'a> Reader<'a> {
             Marker::I64 => Ok(EngineHash(self.be_u64(at)?)),
             _ => {
                 if let Some(len) = self.bytes_len_after(m, at)? {
-                    if len > MAX_STRING_BYTES {
+                    if len > STRING_MAX_BYTES {
                         return Err(DecodeError::StringTooLong {
                             at,
                             len_bytes: len,
-                            max_bytes: MAX_STRING_BYTES,
+                            max_bytes: STRING_MAX_BYTES,
                         });
                     }
                     return Ok(EngineHash::from_bytes(self.take(len, at)?));
@@ -495,7 +497,7 @@ impl<'a> Reader<'a> {
     }
 
     fn hash_list(&mut self, at: Location) -> Result<Vec<EngineHash>> {
-        let len = self.array_len(at, MAX_HASHES_PER_EVENT)?;
+        let len = self.array_len(at, HASHES_PER_EVENT_MAX)?;
         let mut out = Vec::with_capacity(len);
         for _ in 0..len {
             out.push(self.hash(at)?);
@@ -504,7 +506,7 @@ impl<'a> Reader<'a> {
     }
 
     fn token_list(&mut self, at: Location) -> Result<Vec<u32>> {
-        let len = self.array_len(at, MAX_TOKENS_PER_EVENT)?;
+        let len = self.array_len(at, TOKENS_PER_EVENT_MAX)?;
         let mut out = Vec::with_capacity(len);
         // The hot loop of the whole decoder: complete unsigned forms are read straight from the
         // slice; anything else (including every error) goes through the general path.
@@ -533,12 +535,12 @@ impl<'a> Reader<'a> {
                     // SGLang with bigram/EAGLE speculative decoding may send each position as a
                     // `[token, next_token]` pair; flattened, that is the form it otherwise sends.
                     self.pos = pos;
-                    let inner = self.array_len(at, MAX_TOKENS_PER_EVENT)?;
-                    if out.len() + inner > MAX_TOKENS_PER_EVENT {
+                    let inner = self.array_len(at, TOKENS_PER_EVENT_MAX)?;
+                    if out.len() + inner > TOKENS_PER_EVENT_MAX {
                         return Err(DecodeError::TooManyItems {
                             at,
                             len: out.len() + inner,
-                            max: MAX_TOKENS_PER_EVENT,
+                            max: TOKENS_PER_EVENT_MAX,
                         });
                     }
                     for _ in 0..inner {
@@ -566,7 +568,7 @@ impl<'a> Reader<'a> {
             self.pos += 1;
             return Ok(Vec::new());
         }
-        let len = self.array_len(at, MAX_HASHES_PER_EVENT)?;
+        let len = self.array_len(at, HASHES_PER_EVENT_MAX)?;
         let mut out = Vec::with_capacity(len);
         for _ in 0..len {
             if self.peek(at)? == 0xc0 {
@@ -627,10 +629,10 @@ impl<'a> Reader<'a> {
     }
 
     fn skip_items(&mut self, items: usize, at: Location, depth: usize) -> Result<()> {
-        if depth + 1 > MAX_NESTING_DEPTH {
+        if depth + 1 > NESTING_DEPTH_MAX {
             return Err(DecodeError::NestingTooDeep {
                 at,
-                max_depth: MAX_NESTING_DEPTH,
+                max_depth: NESTING_DEPTH_MAX,
             });
         }
         if items > self.remaining() {
@@ -718,7 +720,7 @@ impl<'a> Reader<'a> {
     }
 
     fn events(&mut self) -> Result<Vec<KvEvent>> {
-        let len = self.array_len(batch("events"), MAX_EVENTS_PER_BATCH)?;
+        let len = self.array_len(batch("events"), EVENTS_PER_BATCH_MAX)?;
         let mut out = Vec::with_capacity(len);
         for index in 0..len {
             out.push(self.event(index)?);
@@ -960,12 +962,12 @@ mod tests {
 
     #[test]
     fn payload_over_the_byte_limit_is_rejected_before_reading() {
-        let huge = vec![0x90u8; MAX_PAYLOAD_BYTES + 1];
+        let huge = vec![0x90u8; PAYLOAD_MAX_BYTES + 1];
         assert_eq!(
             decode_batch(&huge),
             Err(DecodeError::PayloadTooLarge {
-                len_bytes: MAX_PAYLOAD_BYTES + 1,
-                max_bytes: MAX_PAYLOAD_BYTES
+                len_bytes: PAYLOAD_MAX_BYTES + 1,
+                max_bytes: PAYLOAD_MAX_BYTES
             })
         );
     }
@@ -1073,7 +1075,7 @@ mod tests {
             Err(DecodeError::TooManyItems {
                 at: Location::Batch { field: "events" },
                 len: u32::MAX as usize,
-                max: MAX_EVENTS_PER_BATCH
+                max: EVENTS_PER_BATCH_MAX
             })
         );
         // block_hashes: within the limit, but more than the bytes left could hold.
@@ -1105,15 +1107,15 @@ mod tests {
                 b.push(0xc0);
             })
         };
-        assert!(decode_batch(&nested(MAX_NESTING_DEPTH)).is_ok());
+        assert!(decode_batch(&nested(NESTING_DEPTH_MAX)).is_ok());
         assert_eq!(
-            decode_batch(&nested(MAX_NESTING_DEPTH + 1)),
+            decode_batch(&nested(NESTING_DEPTH_MAX + 1)),
             Err(DecodeError::NestingTooDeep {
                 at: Location::Event {
                     index: 0,
                     field: "unknown key"
                 },
-                max_depth: MAX_NESTING_DEPTH
+                max_depth: NESTING_DEPTH_MAX
             })
         );
     }

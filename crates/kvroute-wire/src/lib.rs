@@ -18,8 +18,8 @@ pub mod event;
 pub mod snapshot;
 
 pub use decode::{
-    DecodeError, Location, MAX_EVENTS_PER_BATCH, MAX_HASHES_PER_EVENT, MAX_NESTING_DEPTH,
-    MAX_PAYLOAD_BYTES, MAX_STRING_BYTES, MAX_TOKENS_PER_EVENT, decode_batch, decode_load_stat,
+    DecodeError, EVENTS_PER_BATCH_MAX, HASHES_PER_EVENT_MAX, Location, NESTING_DEPTH_MAX,
+    PAYLOAD_MAX_BYTES, STRING_MAX_BYTES, TOKENS_PER_EVENT_MAX, decode_batch, decode_load_stat,
 };
 pub use encode::{
     Encoding, encode_batch, encode_batch_into, encode_load_stat, encoded_extra_key_digest,

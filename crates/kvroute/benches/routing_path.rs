@@ -123,7 +123,7 @@ fn bench(c: &mut Criterion) {
         prompt: Option<Vec<u32>>,
     }
     c.bench_function("read_token_ids_body_2048_ids_fast_reader", |b| {
-        b.iter(|| kvroute::fast_ids::read_token_ids_body(&ids_body, "prompt").unwrap())
+        b.iter(|| kvroute::data_plane::token_ids::read_token_ids_body(&ids_body, "prompt").unwrap())
     });
     // The same reader on ids of irregular length, as a real tokenizer's are (a 150k vocabulary:
     // 1 to 6 digits in no pattern). The body above is an arithmetic progression whose digit
@@ -143,7 +143,9 @@ fn bench(c: &mut Criterion) {
     }))
     .unwrap();
     c.bench_function("read_token_ids_body_2048_irregular_ids_fast_reader", |b| {
-        b.iter(|| kvroute::fast_ids::read_token_ids_body(&irregular_body, "prompt").unwrap())
+        b.iter(|| {
+            kvroute::data_plane::token_ids::read_token_ids_body(&irregular_body, "prompt").unwrap()
+        })
     });
     c.bench_function("read_token_ids_body_2048_ids_serde_derive", |b| {
         b.iter(|| {

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
-use kvroute::snapshot_producer::{SnapshotFormat, encode_variant};
+use kvroute::peer::producer::{SnapshotFormat, encode_variant};
 use kvroute_index::hash::{BASE_NAMESPACE, hash_token_blocks};
 use kvroute_index::{IndexConfig, IndexReader, PrefixIndex, PrefixMatch};
 use kvroute_snapshot::{Compression, EncodeOptions};

@@ -1,50 +1,41 @@
 //! kvroute: the cache-aware request router service.
 //!
-//! The library holds all logic so tests and the demo can run a router in-process on port 0
-//! ([`serve`]); `main.rs` only parses flags, sets up logging and waits for a signal.
-//!
-//! Modules, one job each: [`config`] (CLI and config struct), [`registry`] (workers, models,
-//! health), [`tokenize`] (tokenizer, chat template, segment cache), [`kv`] (the bridge to the KV
-//! plane and index), [`pending`] (routed-but-unconfirmed prefix blocks), [`policy`] (policies
-//! and the cost model), [`router`] (shared state, planning,
-//! health loop), [`proxy`] (forwarding and streaming), [`server`] (HTTP routes), [`data_plane`]
-//! (the threads serving client connections, each with its own runtime and upstream pool), [`metrics`],
-//! [`readiness`], [`error`], [`demo`]; for peer bootstrap: [`internal`] (the internal listener
-//! and its endpoints), [`snapshot_producer`] (cached single-flight index export),
-//! [`peer_fetch`] (the client that fetches a sibling's snapshot); [`worker_source`] (the static
-//! worker list and Kubernetes engine discovery, both applied through the admin API's path).
+//! The library holds all logic so tests and the demo (`kvroute-demo`) can run a router
+//! in-process on port 0 ([`serve`]); `main.rs` only parses flags ([`cli`]), sets up logging and
+//! waits for a signal. Each room has one job (ARCHITECTURE.md has the map):
+//! - [`data_plane`]: the path of a proxied request, top to bottom: accept (the threads and the
+//!   acceptor), [`data_plane::connection`] (frame by hand, or hand the connection to hyper),
+//!   [`data_plane::request`] (prepare: parse and tokenize), then routing, then
+//!   [`data_plane::forward`] (send to the engine, stream the answer back);
+//! - [`routing`]: which rank: [`routing::plan`] over [`routing::kv`] (the only door to the KV
+//!   plane and index), [`routing::pending`], [`routing::policy`], [`routing::tokenize`];
+//! - [`api`]: the route table hyper serves (fallback for the proxied routes, operations
+//!   endpoints, the admin API);
+//! - [`control`]: shared state and lifecycle (the [`Router`], worker registry, worker sources,
+//!   readiness, metrics);
+//! - [`peer`]: what siblings ask of this replica and what it asks of them (internal listener,
+//!   snapshot producer, fetch client);
+//! - [`config`] (the plain config struct), [`cli`] (flags into it), [`error`] (the API's error
+//!   table).
 
+pub mod api;
+pub mod cli;
 pub mod config;
+pub mod control;
 pub mod data_plane;
-pub mod demo;
 pub mod error;
-pub mod fast_ids;
-pub mod fast_path;
-pub mod h1;
-pub mod internal;
-pub mod kv;
-pub mod metrics;
-pub mod peer_fetch;
-pub mod pending;
-pub mod policy;
-pub mod proxy;
-pub mod readiness;
-pub mod registry;
-pub mod router;
-pub mod server;
-pub mod snapshot_producer;
-pub mod tokenize;
-pub mod upstream;
-pub mod worker_source;
+pub mod peer;
+pub mod routing;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use config::{PolicyKind, RouterConfig, WorkerSpec};
-pub use router::Router;
+pub use config::{RouterConfig, WorkerSpec};
+pub use control::router::Router;
+pub use routing::policy::PolicyKind;
 
-use worker_source::WorkerSource;
+use control::worker_source::{self, WorkerSource};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -65,7 +56,7 @@ pub struct RouterHandle {
     pub router: Arc<Router>,
     data_plane: data_plane::DataPlane,
     internal_join: tokio::task::JoinHandle<()>,
-    peer_source: Option<kvroute_peers::PeerSourceHandle>,
+    peer_source: Option<kvroute_discovery::PeerSourceHandle>,
     worker_source: Option<worker_source::WorkerSourceTask>,
 }
 
@@ -166,7 +157,7 @@ pub async fn serve_with_workers(
         })?;
     let peer_source = match peer_config {
         Some(cfg) => Some(
-            kvroute_peers::spawn_peer_source(cfg, router.peers.clone())
+            kvroute_discovery::spawn_peer_source(cfg, router.peers.clone())
                 .await
                 .map_err(|e| ServeError::Setup(format!("peer discovery: {e}")))?,
         ),
@@ -177,7 +168,8 @@ pub async fn serve_with_workers(
     // background, and a dynamic source's edits are applied by its consumer task.
     let worker_source = worker_source::start(&router, source, sync_progress).await;
     router.spawn_health_loop();
-    let internal = internal::internal_app(router.clone(), server::readiness_gates(&router));
+    let internal =
+        peer::internal::internal_app(router.clone(), control::gates::readiness_gates(&router));
     let internal_token = router.shutdown.clone();
     let internal_join = tokio::spawn(async move {
         if let Err(e) = axum::serve(internal_listener, internal)

@@ -1,14 +1,15 @@
-//! The `kvroute` binary: parse flags, set up logging, run the router (or the demo) until SIGTERM
-//! or ctrl-c. All logic lives in the library.
+//! The `kvroute` binary: parse flags, set up logging, run the router until SIGTERM or ctrl-c.
+//! All logic lives in the library. The demo is a binary of its own (`kvroute-demo`), so a
+//! deployment build of the router links no simulated engine.
 
 use clap::Parser;
+use kvroute::cli::{Cli, LogFormat};
 
 /// mimalloc instead of glibc malloc: the proxy path allocates and frees many small buffers per
 /// request (headers, body chunks, futures), and glibc's free-list consolidation showed up in
-/// profiles of the router; measured effect in docs/BENCHMARKS.md.
+/// profiles of the router (docs/BENCHMARKS.md).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use kvroute::config::{Cli, Command, LogFormat};
 
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -46,48 +47,23 @@ async fn shutdown_signal() {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    match cli.command {
-        Some(Command::Demo(args)) => {
-            init_logging_quiet(cli.log_format);
-            match kvroute::demo::run(args).await {
-                Ok(()) => std::process::ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("demo failed: {e}");
-                    std::process::ExitCode::FAILURE
-                }
-            }
+    init_logging(cli.log_format);
+    let config = match cli.serve.into_config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
         }
-        None => {
-            init_logging(cli.log_format);
-            let config = match cli.serve.into_config() {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return std::process::ExitCode::from(2);
-                }
-            };
-            let handle = match kvroute::serve(config).await {
-                Ok(h) => h,
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot start");
-                    return std::process::ExitCode::FAILURE;
-                }
-            };
-            shutdown_signal().await;
-            tracing::info!("shutting down");
-            handle.shutdown().await;
-            std::process::ExitCode::SUCCESS
+    };
+    let handle = match kvroute::serve(config).await {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start");
+            return std::process::ExitCode::FAILURE;
         }
-    }
-}
-
-/// The demo prints a table; router logs would drown it, so only warnings are shown by default.
-fn init_logging_quiet(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
+    };
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    handle.shutdown().await;
+    std::process::ExitCode::SUCCESS
 }

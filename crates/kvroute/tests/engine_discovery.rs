@@ -3,16 +3,16 @@
 //! removal with KV plane detach), and the `engine_discovery_synced` readiness gate follows the
 //! source's first list.
 //!
-//! The seam is the `mpsc::Receiver<EngineEvent>` (+ sync counter) that `kvroute-peers`'s pod
+//! The seam is the `mpsc::Receiver<EngineEvent>` (+ sync counter) that `kvroute-discovery`'s pod
 //! watcher produces: these tests feed a real channel by hand, against real simulated engines
 //! (real HTTP, real ZMQ). The kube watcher itself, which turns Pod list/watch responses into these
-//! events, is tested in `kvroute-peers` against a fake API server; no real API server can run here.
+//! events, is tested in `kvroute-discovery` against a fake API server; no real API server can run here.
 
 mod common;
 
 use common::*;
-use kvroute::worker_source::{SYNCED_GATE_NAME, WorkerSource};
-use kvroute_peers::EngineEvent;
+use kvroute::control::worker_source::{SYNCED_GATE_NAME, WorkerSource};
+use kvroute_discovery::EngineEvent;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, watch};
 

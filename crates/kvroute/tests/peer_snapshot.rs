@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::*;
-use kvroute::internal::{KV_CURSORS_PATH, KV_SNAPSHOT_PATH};
-use kvroute::peer_fetch::{FetchConfig, FetchOutcome, PeerFetcher};
+use kvroute::peer::fetch::{FetchConfig, FetchOutcome, PeerFetcher};
+use kvroute::peer::internal::{KV_CURSORS_PATH, KV_SNAPSHOT_PATH};
 use kvroute::{PolicyKind, RouterConfig, RouterHandle};
 use kvroute_index::hash::{BASE_NAMESPACE, hash_token_blocks};
 use kvroute_index::{IndexConfig, IndexReader, PrefixIndex, PrefixMatch};
@@ -602,7 +602,7 @@ async fn an_export_over_the_byte_limit_is_refused_with_507() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_static_peer_list_without_self_appears_in_metrics() {
     use clap::Parser;
-    let cli = kvroute::config::Cli::parse_from([
+    let cli = kvroute::cli::Cli::parse_from([
         "kvroute",
         "--port",
         "0",
@@ -614,8 +614,8 @@ async fn a_static_peer_list_without_self_appears_in_metrics() {
     let cfg = cli.serve.into_config().unwrap();
     let router = kvroute::serve(cfg).await.unwrap();
     let text = metrics_text(&router.url()).await;
-    assert_eq!(metric(&text, "kvroute_peers"), 2.0);
-    assert_eq!(metric(&text, "kvroute_peers_synced"), 1.0);
+    assert_eq!(metric(&text, "kvroute_discovery"), 2.0);
+    assert_eq!(metric(&text, "kvroute_discovery_synced"), 1.0);
     let peers: Vec<String> = router
         .router
         .peers
@@ -629,7 +629,7 @@ async fn a_static_peer_list_without_self_appears_in_metrics() {
 }
 
 struct ClosedGate;
-impl kvroute::readiness::ReadinessGate for ClosedGate {
+impl kvroute::control::readiness::ReadinessGate for ClosedGate {
     fn name(&self) -> &str {
         "closed_for_test"
     }

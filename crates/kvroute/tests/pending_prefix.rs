@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvroute::pending::{PENDING_BLOCKS_MAX, RankKey};
+use kvroute::routing::pending::{PENDING_BLOCKS_MAX, RankKey};
 use serde_json::{Value, json};
 
 /// Per-token prefill time of the slow fleet: a 4-block prompt prefills in ~640 ms, long enough
@@ -217,7 +217,7 @@ async fn after_the_ttl_pending_blocks_expire_and_routing_follows_the_index_again
     let r = &router.router;
     let worker = r.registry.workers()[0].id;
     let mut hashes = Vec::new();
-    kvroute::kv::hash_blocks(&p, block, &mut hashes);
+    kvroute::routing::kv::hash_blocks(&p, block, &mut hashes);
     let recorded = Instant::now();
     r.pending.record(
         "m",

@@ -1,0 +1,83 @@
+//! The demo's flags (each also readable from a `KVROUTE_DEMO_...` env var): the workload's shape,
+//! the in-process fleet's prefill model, and the external-router mode.
+
+use clap::Args;
+use kvroute::PolicyKind;
+
+/// The demo fleet's prefill model (see `kvroute_sim`'s `--prefill-serial`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FleetPrefill {
+    Serial,
+    Parallel,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct DemoArgs {
+    /// Number of conversations in the workload.
+    #[arg(long, env = "KVROUTE_DEMO_CONVERSATIONS", default_value_t = 96)]
+    pub conversations: usize,
+    /// Distinct shared system prompts.
+    #[arg(long, env = "KVROUTE_DEMO_SYSTEM_PROMPTS", default_value_t = 8)]
+    pub system_prompts: usize,
+    /// User turns per conversation.
+    #[arg(long, env = "KVROUTE_DEMO_TURNS", default_value_t = 4)]
+    pub turns: usize,
+    /// Zipf exponent of the system prompts' popularity (0 = uniform): with 1.2, the most
+    /// popular of 8 prompts opens ~43 % of the conversations, like one big tenant among small ones.
+    #[arg(long, env = "KVROUTE_DEMO_SYSTEM_PROMPT_SKEW", default_value_t = 1.2, value_parser = parse_skew)]
+    pub system_prompt_skew: f64,
+    /// How the in-process fleet's ranks prefill: `serial` (one prompt at a time per rank, like a
+    /// compute-bound GPU) or `parallel` (every prompt at full speed, load never delays it).
+    #[arg(long, env = "KVROUTE_DEMO_FLEET_PREFILL", value_enum, default_value_t = FleetPrefill::Serial)]
+    pub fleet_prefill: FleetPrefill,
+    /// Concurrent conversations.
+    #[arg(long, env = "KVROUTE_DEMO_CONCURRENCY", default_value_t = 32)]
+    pub concurrency: usize,
+    #[arg(long, env = "KVROUTE_DEMO_SEED", default_value_t = 7)]
+    pub seed: u64,
+    /// Run only these policies (default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub policies: Vec<PolicyKind>,
+    /// Drive this router (base URL, e.g. `http://127.0.0.1:30000`) with the same workload once,
+    /// instead of starting the in-process fleet and router (for comparing other routers in
+    /// front of `kvroute-sim` engines).
+    #[arg(long, env = "KVROUTE_DEMO_ROUTER_URL")]
+    pub router_url: Option<String>,
+    /// With `--router-url`: the engines behind it, whose `/served_stats` give the per-rank
+    /// load-balance figures.
+    #[arg(long, env = "KVROUTE_DEMO_ENGINE_URLS", value_delimiter = ',')]
+    pub engine_urls: Vec<String>,
+    /// With `--router-url`: the row's name.
+    #[arg(long, env = "KVROUTE_DEMO_LABEL", default_value = "external")]
+    pub label: String,
+    /// Print the results as one JSON document (with per-rank balance) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Largest Zipf exponent accepted for the demo's prompt popularity (beyond it every
+/// conversation uses the first prompt anyway).
+pub const SYSTEM_PROMPT_SKEW_MAX: f64 = 16.0;
+
+fn parse_skew(raw: &str) -> Result<f64, String> {
+    let v: f64 = raw.parse().map_err(|e| format!("not a number: {e}"))?;
+    if !(0.0..=SYSTEM_PROMPT_SKEW_MAX).contains(&v) {
+        return Err(format!("must be within 0..={SYSTEM_PROMPT_SKEW_MAX}"));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn demo_skew_outside_its_range_or_not_a_number_is_refused() {
+        assert_eq!(parse_skew("1.2"), Ok(1.2));
+        assert_eq!(parse_skew("0"), Ok(0.0));
+        for bad in ["-0.5", "17", "NaN", "inf", "x"] {
+            assert!(parse_skew(bad).is_err(), "{bad} accepted");
+        }
+    }
+}

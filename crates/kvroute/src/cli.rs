@@ -1,0 +1,350 @@
+//! The command line: `clap` flags (each also readable from a `KVROUTE_...` env var) parsed into
+//! a [`RouterConfig`]. Parsing and range checks only: every default and every type the flags
+//! fill belongs to the part of the router that uses it.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use clap::{Args, Parser, ValueEnum};
+
+use crate::config::{
+    DEFAULT_BODY_MAX_BYTES, DEFAULT_KV_SNAPSHOT_MAX_BYTES, RouterConfig, WorkerSpec,
+};
+use crate::peer::internal::read_internal_auth_token;
+use crate::routing::kv::KvFlagDefaults;
+use crate::routing::pending::DEFAULT_PENDING_PREFIX_TTL_MS;
+use crate::routing::policy::{
+    CostWeights, DEFAULT_LOAD_BOUND_FACTOR, DEFAULT_LOAD_BOUND_SLACK_REQUESTS,
+    LOAD_BOUND_FACTOR_MAX, LOAD_BOUND_SLACK_REQUESTS_MAX, PolicyKind,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvroute",
+    version,
+    about = "Cache-aware request router for LLM inference fleets"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub serve: ServeArgs,
+    #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct ServeArgs {
+    #[arg(long, env = "KVROUTE_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, env = "KVROUTE_PORT", default_value_t = 30000)]
+    pub port: u16,
+    /// Engine URLs, optionally `URL@model`.
+    #[arg(long, env = "KVROUTE_WORKER_URLS", num_args = 1.., value_delimiter = ',')]
+    pub worker_urls: Vec<String>,
+    #[arg(
+        long,
+        env = "KVROUTE_POLICY",
+        value_enum,
+        default_value = "cache-aware"
+    )]
+    pub policy: PolicyKind,
+    /// Default tokenizer.json (or its directory) for every model.
+    #[arg(long, env = "KVROUTE_TOKENIZER_PATH")]
+    pub tokenizer_path: Option<PathBuf>,
+    /// Per-model tokenizer: `MODEL=PATH` (repeatable).
+    #[arg(long, env = "KVROUTE_MODEL_TOKENIZER", value_delimiter = ',')]
+    pub model_tokenizer: Vec<String>,
+    /// KV events endpoint for engines that do not advertise one, e.g. `tcp://{host}:5557`.
+    #[arg(long, env = "KVROUTE_KV_EVENTS_ENDPOINT_TEMPLATE")]
+    pub kv_events_endpoint_template: Option<String>,
+    #[arg(long, env = "KVROUTE_KV_EVENTS_REPLAY_PORT_BASE")]
+    pub kv_events_replay_port_base: Option<u16>,
+    #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
+    pub block_size: Option<usize>,
+    #[arg(long, env = "KVROUTE_DP_SIZE")]
+    pub dp_size: Option<u32>,
+    #[arg(
+        long,
+        env = "KVROUTE_PREFILL_COST_US_PER_TOKEN",
+        default_value_t = 50.0
+    )]
+    pub prefill_cost_us_per_token: f64,
+    #[arg(
+        long,
+        env = "KVROUTE_DECODE_PENALTY_US_PER_REQUEST",
+        default_value_t = 2000.0
+    )]
+    pub decode_penalty_us_per_request: f64,
+    #[arg(
+        long,
+        env = "KVROUTE_OFFLOADED_BLOCK_COST_FRACTION",
+        default_value_t = 0.3
+    )]
+    pub offloaded_block_cost_fraction: f64,
+    /// Softmax temperature in milliseconds of estimated TTFT; 0 = always the cheapest rank.
+    #[arg(long, env = "KVROUTE_TEMPERATURE", default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Bounded-load guard of cache_aware: a rank whose in-flight requests would exceed this
+    /// factor x the fleet's mean (plus --load-bound-slack-requests) is not chosen first while
+    /// another rank is within the bound, however much of the prompt it holds. 0 = off.
+    #[arg(long, env = "KVROUTE_LOAD_BOUND_FACTOR", default_value_t = DEFAULT_LOAD_BOUND_FACTOR)]
+    pub load_bound_factor: f64,
+    /// Requests a rank may carry above --load-bound-factor x the mean.
+    #[arg(long, env = "KVROUTE_LOAD_BOUND_SLACK_REQUESTS", default_value_t = DEFAULT_LOAD_BOUND_SLACK_REQUESTS)]
+    pub load_bound_slack_requests: f64,
+    /// How long (ms) a routed request's prompt blocks count as cached on the chosen rank until
+    /// the engine's KV events confirm them; same-prefix requests arriving meanwhile follow it.
+    /// 0 disables.
+    #[arg(long, env = "KVROUTE_PENDING_PREFIX_TTL_MS", default_value_t = DEFAULT_PENDING_PREFIX_TTL_MS)]
+    pub pending_prefix_ttl_ms: u64,
+    /// Add an `x-kvroute-decision` header to every routed response.
+    #[arg(long, env = "KVROUTE_DECISION_HEADER")]
+    pub decision_header: bool,
+    #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value_t = DEFAULT_BODY_MAX_BYTES)]
+    pub max_body_bytes: usize,
+    #[arg(long, env = "KVROUTE_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
+    pub request_timeout_ms: u64,
+    #[arg(long, env = "KVROUTE_MAX_RETRIES", default_value_t = 2)]
+    pub max_retries: u32,
+    #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_MS", default_value_t = 5_000)]
+    pub health_interval_ms: u64,
+    #[arg(long, env = "KVROUTE_HEALTH_TIMEOUT_MS", default_value_t = 2_000)]
+    pub health_timeout_ms: u64,
+    /// Consecutive failures that eject a worker.
+    #[arg(long, env = "KVROUTE_EJECT_AFTER_FAILURES", default_value_t = 3)]
+    pub eject_after_failures: u32,
+    #[arg(long, env = "KVROUTE_EJECT_COOLDOWN_MS", default_value_t = 10_000)]
+    pub eject_cooldown_ms: u64,
+    /// Threads serving client connections, each with its own runtime and upstream connection
+    /// pool, so a request never hops threads; 0 = one per available CPU (at most 256).
+    #[arg(long, env = "KVROUTE_DATA_PLANE_THREADS", default_value_t = 0)]
+    pub data_plane_threads: usize,
+    /// Port of the internal listener (`/internal/*`, peer traffic); default `--port` + 1.
+    #[arg(long, env = "KVROUTE_INTERNAL_PORT")]
+    pub internal_port: Option<u16>,
+    /// Bind address of the internal listener; default `--host`.
+    #[arg(long, env = "KVROUTE_INTERNAL_BIND")]
+    pub internal_bind: Option<IpAddr>,
+    /// File holding the shared internal token: required as a bearer token on `/internal/*` and
+    /// used as the HMAC key of the binary snapshot (at least 16 printable bytes).
+    #[arg(long, env = "KVROUTE_INTERNAL_AUTH_TOKEN_FILE")]
+    pub internal_auth_token_file: Option<PathBuf>,
+    /// Largest encoded snapshot served (507 beyond) or fetched from a sibling.
+    #[arg(long, env = "KVROUTE_KV_SNAPSHOT_MAX_BYTES", default_value_t = DEFAULT_KV_SNAPSHOT_MAX_BYTES)]
+    pub kv_snapshot_max_bytes: usize,
+    #[command(flatten)]
+    pub peers: kvroute_discovery::PeerDiscoveryArgs,
+    #[command(flatten)]
+    pub engines: kvroute_discovery::EngineDiscoveryArgs,
+}
+
+impl ServeArgs {
+    pub fn into_config(self) -> Result<RouterConfig, String> {
+        let listen: SocketAddr = format!("{}:{}", self.host, self.port)
+            .parse()
+            .map_err(|e| format!("bad --host/--port: {e}"))?;
+        let workers = self
+            .worker_urls
+            .iter()
+            .filter(|s| !s.is_empty())
+            .map(|s| WorkerSpec::parse(s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut model_tokenizers = HashMap::new();
+        for item in &self.model_tokenizer {
+            let (model, path) = item
+                .split_once('=')
+                .ok_or_else(|| format!("--model-tokenizer expects MODEL=PATH, got {item}"))?;
+            model_tokenizers.insert(model.to_string(), PathBuf::from(path));
+        }
+        if self.temperature < 0.0 || !self.temperature.is_finite() {
+            return Err("--temperature must be a finite number >= 0".into());
+        }
+        if !(0.0..=LOAD_BOUND_FACTOR_MAX).contains(&self.load_bound_factor) {
+            return Err(format!(
+                "--load-bound-factor must be within 0..={LOAD_BOUND_FACTOR_MAX} (0 = off)"
+            ));
+        }
+        if !(0.0..=LOAD_BOUND_SLACK_REQUESTS_MAX).contains(&self.load_bound_slack_requests) {
+            return Err(format!(
+                "--load-bound-slack-requests must be within 0..={LOAD_BOUND_SLACK_REQUESTS_MAX}"
+            ));
+        }
+        let internal_auth_token = self
+            .internal_auth_token_file
+            .as_deref()
+            .map(read_internal_auth_token)
+            .transpose()?;
+        let peer_source = self
+            .peers
+            .to_config()
+            .map_err(|e| format!("peer discovery: {e}"))?;
+        let engine_discovery = self
+            .engines
+            .to_config()
+            .map_err(|e| format!("engine discovery: {e}"))?;
+        Ok(RouterConfig {
+            listen,
+            workers,
+            policy: self.policy,
+            weights: CostWeights {
+                prefill_cost_us_per_token: self.prefill_cost_us_per_token,
+                decode_penalty_us_per_request: self.decode_penalty_us_per_request,
+                offloaded_block_cost_fraction: self.offloaded_block_cost_fraction,
+                temperature_ms: self.temperature,
+                load_bound_factor: self.load_bound_factor,
+                load_bound_slack_requests: self.load_bound_slack_requests,
+            },
+            tokenizer_path: self.tokenizer_path,
+            model_tokenizers,
+            kv_defaults: KvFlagDefaults {
+                events_endpoint_template: self.kv_events_endpoint_template,
+                replay_port_base: self.kv_events_replay_port_base,
+                block_size: self.block_size,
+                dp_size: self.dp_size,
+            },
+            decision_header: self.decision_header,
+            max_body_bytes: self.max_body_bytes,
+            request_timeout_ms: self.request_timeout_ms,
+            max_retries: self.max_retries,
+            health_interval_ms: self.health_interval_ms,
+            health_timeout_ms: self.health_timeout_ms,
+            eject_after_failures: self.eject_after_failures,
+            eject_cooldown_ms: self.eject_cooldown_ms,
+            data_plane_threads: self.data_plane_threads,
+            internal_bind: self.internal_bind,
+            internal_port: self.internal_port,
+            internal_auth_token,
+            kv_snapshot_max_bytes: self.kv_snapshot_max_bytes,
+            peer_source,
+            engine_discovery,
+            pending_prefix_ttl_ms: self.pending_prefix_ttl_ms,
+            ..RouterConfig::default()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_spec_splits_a_model_suffix_but_keeps_plain_urls_whole() {
+        let w = WorkerSpec::parse("http://127.0.0.1:8000@llama").unwrap();
+        assert_eq!(w.url, "http://127.0.0.1:8000");
+        assert_eq!(w.model.as_deref(), Some("llama"));
+        let w = WorkerSpec::parse("http://127.0.0.1:8000/").unwrap();
+        assert_eq!(w.url, "http://127.0.0.1:8000");
+        assert_eq!(w.model, None);
+        assert!(WorkerSpec::parse("127.0.0.1:8000").is_err());
+        assert!(WorkerSpec::parse("http://h:1@").is_err());
+    }
+
+    #[test]
+    fn cli_flags_fill_the_config() {
+        let cli = Cli::parse_from([
+            "kvroute",
+            "--worker-urls",
+            "http://127.0.0.1:1@m",
+            "http://127.0.0.1:2",
+            "--policy",
+            "round-robin",
+            "--model-tokenizer",
+            "m=/tmp/t.json",
+        ]);
+        let cfg = cli.serve.into_config().unwrap();
+        assert_eq!(cfg.workers.len(), 2);
+        assert_eq!(cfg.policy, PolicyKind::RoundRobin);
+        assert_eq!(cfg.model_tokenizers["m"], PathBuf::from("/tmp/t.json"));
+        assert_eq!(cfg.internal_listen().port(), 30001);
+    }
+
+    #[test]
+    fn service_discovery_flags_fill_the_engine_discovery_config_and_need_each_other() {
+        let cli = Cli::parse_from([
+            "kvroute",
+            "--service-discovery",
+            "--selector",
+            "app=sglang,tier!=canary",
+            "--service-discovery-port",
+            "30000",
+        ]);
+        let cfg = cli.serve.into_config().unwrap();
+        let d = cfg.engine_discovery.expect("discovery on");
+        assert_eq!(d.label_selector, "app=sglang,tier!=canary");
+        assert_eq!(d.default_port, 30000);
+        assert!(
+            Cli::parse_from(["kvroute"])
+                .serve
+                .into_config()
+                .unwrap()
+                .engine_discovery
+                .is_none()
+        );
+        let err = Cli::parse_from(["kvroute", "--selector", "app=x"])
+            .serve
+            .into_config()
+            .err()
+            .expect("--selector alone is refused");
+        assert!(err.contains("engine discovery"), "{err}");
+        let err = Cli::parse_from(["kvroute", "--service-discovery"])
+            .serve
+            .into_config()
+            .err()
+            .expect("--service-discovery without a selector is refused");
+        assert!(err.contains("--selector"), "{err}");
+    }
+
+    #[test]
+    fn load_bound_flags_fill_the_weights_and_out_of_range_values_are_refused() {
+        let cfg = Cli::parse_from(["kvroute"]).serve.into_config().unwrap();
+        assert_eq!(cfg.weights.load_bound_factor, DEFAULT_LOAD_BOUND_FACTOR);
+        assert_eq!(
+            cfg.weights.load_bound_slack_requests,
+            DEFAULT_LOAD_BOUND_SLACK_REQUESTS
+        );
+        let cfg = Cli::parse_from([
+            "kvroute",
+            "--load-bound-factor",
+            "0",
+            "--load-bound-slack-requests",
+            "5",
+        ])
+        .serve
+        .into_config()
+        .unwrap();
+        assert_eq!(cfg.weights.load_bound_factor, 0.0);
+        assert_eq!(cfg.weights.load_bound_slack_requests, 5.0);
+        for (flag, bad) in [
+            ("--load-bound-factor", "-1"),
+            ("--load-bound-factor", "NaN"),
+            ("--load-bound-factor", "1e9"),
+            ("--load-bound-slack-requests", "-0.5"),
+            ("--load-bound-slack-requests", "inf"),
+        ] {
+            let arg = format!("{flag}={bad}");
+            let err = Cli::parse_from(["kvroute", arg.as_str()])
+                .serve
+                .into_config()
+                .err()
+                .unwrap_or_else(|| panic!("{flag} {bad} accepted"));
+            assert!(err.contains(flag), "{flag} {bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn internal_listener_defaults_to_main_port_plus_one_or_os_assigned() {
+        let mut cfg = RouterConfig::default();
+        assert_eq!(cfg.internal_listen().port(), 0);
+        cfg.listen = "0.0.0.0:8080".parse().unwrap();
+        assert_eq!(cfg.internal_listen(), "0.0.0.0:8081".parse().unwrap());
+        cfg.internal_bind = Some("127.0.0.1".parse().unwrap());
+        cfg.internal_port = Some(9000);
+        assert_eq!(cfg.internal_listen(), "127.0.0.1:9000".parse().unwrap());
+    }
+}

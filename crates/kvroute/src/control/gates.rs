@@ -1,0 +1,36 @@
+//! The router's built-in readiness gates and the list `/readyz` evaluates.
+//!
+//! Separate from [`super::readiness`] (the gate trait and its evaluation, which the config
+//! refers to for extra gates) so that module stays a leaf: these gates read the [`Router`],
+//! which itself is built from the config.
+
+use std::sync::Arc;
+
+use crate::control::readiness::ReadinessGate;
+use crate::control::router::Router;
+
+/// Built-in readiness gate: at least one healthy worker is registered.
+pub struct HealthyWorkerGate(pub Arc<Router>);
+
+impl ReadinessGate for HealthyWorkerGate {
+    fn name(&self) -> &str {
+        "healthy_worker"
+    }
+    fn check(&self) -> Result<(), String> {
+        match self.0.registry.healthy_count() {
+            0 => Err(format!(
+                "0 of {} registered workers are healthy",
+                self.0.registry.workers().len()
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The built-in gates followed by the configured extra ones; shared by `/readyz` and the
+/// internal listener's `producer_ready`.
+pub fn readiness_gates(router: &Arc<Router>) -> Arc<Vec<Arc<dyn ReadinessGate>>> {
+    let mut gates: Vec<Arc<dyn ReadinessGate>> = vec![Arc::new(HealthyWorkerGate(router.clone()))];
+    gates.extend(router.config.extra_readiness_gates.iter().cloned());
+    Arc::new(gates)
+}

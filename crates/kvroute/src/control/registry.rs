@@ -1,0 +1,517 @@
+//! Workers, the model groups they form, their ranks' router-side load, and their health.
+//!
+//! A worker is one engine URL serving one model with `dp_size` data-parallel ranks; a RANK
+//! (worker, dp_rank) is what the router routes to. Workers are grouped by served model; each group
+//! has its own tokenizer and block size (the index is per model inside the KV plane).
+//!
+//! The registry is read on every request and written only on membership changes, so it is a
+//! `RwLock` around maps of `Arc`s: a request clones the `Arc<ModelGroup>` it needs and drops the
+//! lock before any await. Per-rank load counters are atomics so dispatch never takes a lock.
+//!
+//! Health is an explicit state machine per worker ([`Health`]); see [`HealthState::on_event`] for
+//! every transition. Passive failures (connection errors while proxying) and active checks
+//! (`GET /health`) both feed it.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+
+use crate::routing::tokenize::ModelTokenizer;
+
+pub type WorkerId = u64;
+
+/// Router-side load of one rank: what the router itself has sent and not yet seen finish.
+#[derive(Debug, Default)]
+pub struct RankLoad {
+    pub in_flight: AtomicI64,
+    /// Estimated prompt tokens still to be prefilled: added at dispatch, removed when the first
+    /// response byte arrives (the engine has finished prefill by then).
+    pub queued_prefill_tokens: AtomicI64,
+    pub dispatched_total: AtomicU64,
+    /// When (on [`clock_us`]) the rank should be done with the prefill work the router sent it,
+    /// were that work done one request after another at the cost model's rate: a virtual finish
+    /// time, advanced at each dispatch from `max(now, itself)`. `queued_prefill_tokens` alone
+    /// charges a dispatched prompt in full until its first byte comes back, so a request
+    /// arriving 50 ms into a 57 ms prefill was charged 57 ms of waiting; the backlog decays as
+    /// time passes, and the cost model takes the smaller of the two estimates.
+    pub prefill_busy_until_us: AtomicU64,
+    /// This rank's `kvroute_in_flight_requests` series, looked up by its labels once (first
+    /// dispatch) instead of formatting and hashing them on every attempt.
+    pub in_flight_gauge: std::sync::OnceLock<prometheus::IntGauge>,
+}
+
+/// Microseconds on the router's monotonic clock (its zero is the clock's first use).
+pub fn clock_us() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_micros() as u64
+}
+
+impl RankLoad {
+    /// Adds `work_us` of prefill to the rank's virtual queue at `now_us`.
+    pub fn reserve_prefill(&self, now_us: u64, work_us: u64) {
+        let _ = self.prefill_busy_until_us.fetch_update(
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+            |until| Some(until.max(now_us).saturating_add(work_us)),
+        );
+    }
+
+    /// Prefill time still queued on the rank at `now_us` by the virtual-time estimate.
+    pub fn prefill_backlog_us(&self, now_us: u64) -> u64 {
+        self.prefill_busy_until_us
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .saturating_sub(now_us)
+    }
+}
+
+/// Health of a worker. Routable: `Healthy`, and `Ejected` once its cool-down has passed (a
+/// half-open probe: the next request or check decides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// Registered but no successful contact yet.
+    Pending,
+    Healthy,
+    /// Too many consecutive passive failures; not routed to before `until`.
+    Ejected {
+        until: Instant,
+    },
+    /// The active health check failed.
+    Down,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthEvent {
+    RequestOk,
+    RequestFailed,
+    CheckOk,
+    CheckFailed,
+}
+
+#[derive(Debug, Clone)]
+pub struct HealthState {
+    pub health: Health,
+    pub consecutive_failures: u32,
+    pub last_change: Instant,
+}
+
+impl HealthState {
+    pub fn new(now: Instant) -> Self {
+        HealthState {
+            health: Health::Pending,
+            consecutive_failures: 0,
+            last_change: now,
+        }
+    }
+
+    pub fn routable(&self, now: Instant) -> bool {
+        match self.health {
+            Health::Healthy => true,
+            Health::Ejected { until } => now >= until,
+            Health::Pending | Health::Down => false,
+        }
+    }
+
+    /// The transition function. `eject_after` consecutive failures eject for `cooldown`.
+    pub fn on_event(
+        &mut self,
+        ev: HealthEvent,
+        now: Instant,
+        eject_after: u32,
+        cooldown: Duration,
+    ) {
+        let next = match (self.health, ev) {
+            (_, HealthEvent::RequestOk) => {
+                self.consecutive_failures = 0;
+                Health::Healthy
+            }
+            (Health::Ejected { until }, HealthEvent::CheckOk) if now < until => {
+                // A passing /health does not cut an ejection short: the engine answered health
+                // but failed real requests.
+                Health::Ejected { until }
+            }
+            (_, HealthEvent::CheckOk) => {
+                self.consecutive_failures = 0;
+                Health::Healthy
+            }
+            (Health::Ejected { until }, HealthEvent::RequestFailed) if now < until => {
+                Health::Ejected { until }
+            }
+            (_, HealthEvent::RequestFailed) => {
+                self.consecutive_failures += 1;
+                if self.consecutive_failures >= eject_after.max(1) {
+                    Health::Ejected {
+                        until: now + cooldown,
+                    }
+                } else {
+                    self.health
+                }
+            }
+            (Health::Ejected { until }, HealthEvent::CheckFailed) if now < until => {
+                Health::Ejected { until }
+            }
+            (_, HealthEvent::CheckFailed) => Health::Down,
+        };
+        if next != self.health {
+            self.last_change = now;
+            self.health = next;
+        }
+    }
+
+    pub fn label(&self, now: Instant) -> &'static str {
+        match self.health {
+            Health::Pending => "pending",
+            Health::Healthy => "healthy",
+            Health::Ejected { until } if now >= until => "ejected_cooldown_over",
+            Health::Ejected { .. } => "ejected",
+            Health::Down => "down",
+        }
+    }
+}
+
+pub struct Worker {
+    pub id: WorkerId,
+    pub url: String,
+    pub model: String,
+    pub dp_size: u32,
+    pub ranks: Vec<Arc<RankLoad>>,
+    pub health: Mutex<HealthState>,
+    /// Where the KV config came from: "server_info", "flags" or "none".
+    pub kv_source: &'static str,
+    /// Why the KV plane is not indexing this worker, if it is not.
+    pub kv_attach_error: Mutex<Option<String>>,
+    /// False while the worker was registered without reaching it (`URL@model` of an engine that
+    /// was down); the health loop then discovers and attaches its KV events once it answers.
+    pub discovered: std::sync::atomic::AtomicBool,
+}
+
+impl Worker {
+    pub fn routable(&self, now: Instant) -> bool {
+        self.health.lock().routable(now)
+    }
+}
+
+pub struct ModelGroup {
+    pub name: String,
+    pub tokenizer: Option<Arc<ModelTokenizer>>,
+    pub block_size: usize,
+    pub workers: Vec<Arc<Worker>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    workers: BTreeMap<WorkerId, Arc<Worker>>,
+    models: BTreeMap<String, Arc<ModelGroup>>,
+}
+
+pub struct Registry {
+    inner: RwLock<Inner>,
+    next_id: AtomicU64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("worker {0} is already registered")]
+    Duplicate(String),
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Registry {
+            inner: RwLock::new(Inner::default()),
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
+
+impl Registry {
+    /// Adds a worker; the group's tokenizer/block size come from the first worker of the model.
+    pub fn add(
+        &self,
+        url: &str,
+        model: &str,
+        dp_size: u32,
+        block_size: usize,
+        tokenizer: Option<Arc<ModelTokenizer>>,
+        kv_source: &'static str,
+    ) -> Result<Arc<Worker>, RegistryError> {
+        let mut inner = self.inner.write();
+        if inner.workers.values().any(|w| w.url == url) {
+            return Err(RegistryError::Duplicate(url.to_string()));
+        }
+        let worker = Arc::new(Worker {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            url: url.to_string(),
+            model: model.to_string(),
+            dp_size: dp_size.max(1),
+            ranks: (0..dp_size.max(1))
+                .map(|_| Arc::new(RankLoad::default()))
+                .collect(),
+            health: Mutex::new(HealthState::new(Instant::now())),
+            kv_source,
+            kv_attach_error: Mutex::new(None),
+            discovered: std::sync::atomic::AtomicBool::new(true),
+        });
+        inner.workers.insert(worker.id, worker.clone());
+        let group = match inner.models.get(model) {
+            Some(g) => ModelGroup {
+                name: g.name.clone(),
+                tokenizer: g.tokenizer.clone(),
+                block_size: g.block_size,
+                workers: g.workers.iter().cloned().chain([worker.clone()]).collect(),
+            },
+            None => ModelGroup {
+                name: model.to_string(),
+                tokenizer,
+                block_size,
+                workers: vec![worker.clone()],
+            },
+        };
+        inner.models.insert(model.to_string(), Arc::new(group));
+        Ok(worker)
+    }
+
+    pub fn remove(&self, id: WorkerId) -> Option<Arc<Worker>> {
+        let mut inner = self.inner.write();
+        let worker = inner.workers.remove(&id)?;
+        if let Some(g) = inner.models.get(&worker.model).cloned() {
+            let workers: Vec<_> = g.workers.iter().filter(|w| w.id != id).cloned().collect();
+            if workers.is_empty() {
+                inner.models.remove(&worker.model);
+            } else {
+                inner.models.insert(
+                    worker.model.clone(),
+                    Arc::new(ModelGroup {
+                        name: g.name.clone(),
+                        tokenizer: g.tokenizer.clone(),
+                        block_size: g.block_size,
+                        workers,
+                    }),
+                );
+            }
+        }
+        Some(worker)
+    }
+
+    pub fn model(&self, name: &str) -> Option<Arc<ModelGroup>> {
+        self.inner.read().models.get(name).cloned()
+    }
+
+    /// The model a request without `model` goes to: the only one, if exactly one exists.
+    pub fn sole_model(&self) -> Option<Arc<ModelGroup>> {
+        let inner = self.inner.read();
+        if inner.models.len() == 1 {
+            inner.models.values().next().cloned()
+        } else {
+            None
+        }
+    }
+
+    pub fn models(&self) -> Vec<Arc<ModelGroup>> {
+        self.inner.read().models.values().cloned().collect()
+    }
+
+    pub fn workers(&self) -> Vec<Arc<Worker>> {
+        self.inner.read().workers.values().cloned().collect()
+    }
+
+    pub fn worker(&self, id: WorkerId) -> Option<Arc<Worker>> {
+        self.inner.read().workers.get(&id).cloned()
+    }
+
+    pub fn by_url(&self, url: &str) -> Option<Arc<Worker>> {
+        self.inner
+            .read()
+            .workers
+            .values()
+            .find(|w| w.url == url)
+            .cloned()
+    }
+
+    pub fn healthy_count(&self) -> usize {
+        let now = Instant::now();
+        self.inner
+            .read()
+            .workers
+            .values()
+            .filter(|w| w.routable(now))
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod rank_load_tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_backlog_queues_work_after_the_previous_finish_and_decays_with_time() {
+        let load = RankLoad::default();
+        load.reserve_prefill(1_000, 500);
+        assert_eq!(load.prefill_backlog_us(1_000), 500);
+        // Sent while the first is still running: it starts after the first finishes.
+        load.reserve_prefill(1_200, 500);
+        assert_eq!(load.prefill_backlog_us(1_200), 800);
+        assert_eq!(load.prefill_backlog_us(1_900), 100);
+        assert_eq!(load.prefill_backlog_us(5_000), 0, "drained, never negative");
+        // An idle rank's next work starts now, not at the old finish time.
+        load.reserve_prefill(10_000, 300);
+        assert_eq!(load.prefill_backlog_us(10_000), 300);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const COOL: Duration = Duration::from_millis(100);
+
+    #[test]
+    fn a_new_worker_is_pending_and_not_routable_until_contact() {
+        let now = Instant::now();
+        let mut s = HealthState::new(now);
+        assert!(!s.routable(now));
+        s.on_event(HealthEvent::CheckOk, now, 3, COOL);
+        assert_eq!(s.health, Health::Healthy);
+        assert!(s.routable(now));
+    }
+
+    #[test]
+    fn n_consecutive_request_failures_eject_and_a_success_in_between_resets_the_count() {
+        let now = Instant::now();
+        let mut s = HealthState::new(now);
+        s.on_event(HealthEvent::RequestOk, now, 3, COOL);
+        s.on_event(HealthEvent::RequestFailed, now, 3, COOL);
+        s.on_event(HealthEvent::RequestFailed, now, 3, COOL);
+        s.on_event(HealthEvent::RequestOk, now, 3, COOL);
+        s.on_event(HealthEvent::RequestFailed, now, 3, COOL);
+        s.on_event(HealthEvent::RequestFailed, now, 3, COOL);
+        assert_eq!(s.health, Health::Healthy);
+        s.on_event(HealthEvent::RequestFailed, now, 3, COOL);
+        assert_eq!(s.health, Health::Ejected { until: now + COOL });
+        assert!(!s.routable(now));
+        assert!(s.routable(now + COOL), "cool-down over: half-open");
+    }
+
+    #[test]
+    fn a_passing_health_check_does_not_cut_an_ejection_short() {
+        let now = Instant::now();
+        let mut s = HealthState::new(now);
+        s.on_event(HealthEvent::RequestFailed, now, 1, COOL);
+        s.on_event(HealthEvent::CheckOk, now, 1, COOL);
+        assert!(matches!(s.health, Health::Ejected { .. }));
+        s.on_event(HealthEvent::CheckOk, now + COOL, 1, COOL);
+        assert_eq!(s.health, Health::Healthy);
+    }
+
+    #[test]
+    fn a_failed_check_takes_a_worker_down_and_a_passing_one_brings_it_back() {
+        let now = Instant::now();
+        let mut s = HealthState::new(now);
+        s.on_event(HealthEvent::CheckOk, now, 3, COOL);
+        s.on_event(HealthEvent::CheckFailed, now, 3, COOL);
+        assert_eq!(s.health, Health::Down);
+        assert!(!s.routable(now));
+        s.on_event(HealthEvent::CheckOk, now, 3, COOL);
+        assert_eq!(s.health, Health::Healthy);
+    }
+
+    #[test]
+    fn every_state_and_event_pair_has_the_documented_transition() {
+        let now = Instant::now();
+        let until = now + COOL;
+        let states = [
+            ("pending", Health::Pending),
+            ("healthy", Health::Healthy),
+            ("ejected", Health::Ejected { until }),
+            ("down", Health::Down),
+        ];
+        // (from, event, expected) with eject_after = 1, evaluated at `now` (cool-down running).
+        let table: &[(&str, HealthEvent, Health)] = &[
+            ("pending", HealthEvent::RequestOk, Health::Healthy),
+            (
+                "pending",
+                HealthEvent::RequestFailed,
+                Health::Ejected { until },
+            ),
+            ("pending", HealthEvent::CheckOk, Health::Healthy),
+            ("pending", HealthEvent::CheckFailed, Health::Down),
+            ("healthy", HealthEvent::RequestOk, Health::Healthy),
+            (
+                "healthy",
+                HealthEvent::RequestFailed,
+                Health::Ejected { until },
+            ),
+            ("healthy", HealthEvent::CheckOk, Health::Healthy),
+            ("healthy", HealthEvent::CheckFailed, Health::Down),
+            ("ejected", HealthEvent::RequestOk, Health::Healthy),
+            (
+                "ejected",
+                HealthEvent::RequestFailed,
+                Health::Ejected { until },
+            ),
+            ("ejected", HealthEvent::CheckOk, Health::Ejected { until }),
+            (
+                "ejected",
+                HealthEvent::CheckFailed,
+                Health::Ejected { until },
+            ),
+            ("down", HealthEvent::RequestOk, Health::Healthy),
+            (
+                "down",
+                HealthEvent::RequestFailed,
+                Health::Ejected { until },
+            ),
+            ("down", HealthEvent::CheckOk, Health::Healthy),
+            ("down", HealthEvent::CheckFailed, Health::Down),
+        ];
+        assert_eq!(table.len(), states.len() * 4, "every pair is listed");
+        for (from, ev, want) in table {
+            let start = states.iter().find(|(n, _)| n == from).unwrap().1;
+            let mut s = HealthState {
+                health: start,
+                consecutive_failures: 0,
+                last_change: now,
+            };
+            s.on_event(*ev, now, 1, COOL);
+            assert_eq!(s.health, *want, "{from} + {ev:?}");
+        }
+        // Once the cool-down is over, an ejected worker's next failure or failed check counts
+        // again instead of being absorbed.
+        let mut s = HealthState {
+            health: Health::Ejected { until },
+            consecutive_failures: 1,
+            last_change: now,
+        };
+        s.on_event(HealthEvent::CheckFailed, until, 1, COOL);
+        assert_eq!(s.health, Health::Down);
+        let mut s = HealthState {
+            health: Health::Ejected { until },
+            consecutive_failures: 1,
+            last_change: now,
+        };
+        s.on_event(HealthEvent::RequestFailed, until, 1, COOL);
+        assert_eq!(
+            s.health,
+            Health::Ejected {
+                until: until + COOL
+            }
+        );
+    }
+
+    #[test]
+    fn removing_the_last_worker_of_a_model_removes_the_model() {
+        let r = Registry::default();
+        let a = r.add("http://a", "m", 2, 16, None, "none").unwrap();
+        let b = r.add("http://b", "m", 1, 16, None, "none").unwrap();
+        assert!(r.add("http://a", "m", 1, 16, None, "none").is_err());
+        assert_eq!(r.model("m").unwrap().workers.len(), 2);
+        assert_eq!(a.ranks.len(), 2);
+        r.remove(a.id);
+        assert_eq!(r.model("m").unwrap().workers.len(), 1);
+        r.remove(b.id);
+        assert!(r.model("m").is_none());
+        assert!(r.sole_model().is_none());
+    }
+}

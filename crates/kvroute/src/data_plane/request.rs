@@ -1,0 +1,292 @@
+//! One proxied request, from its body to the engine's answer, shared by both servers (the
+//! hand-written connection server and the hyper fallback): prepare (parse, tokenize), plan
+//! (routing), record the decision, forward.
+//!
+//! Preparation turns the JSON body into a [`Prepared`] request: the model group, the tokens to
+//! hash, and the body to forward (rewritten to carry token ids where the engine API accepts
+//! them). A token-id body is read by [`crate::data_plane::token_ids`] without materialising it;
+//! everything else goes through serde, which also writes every error message. Every error leaves
+//! through `ApiError`, so clients always get the OpenAI error shape and a status from one table.
+
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use serde_json::{Map, Value};
+
+use crate::control::registry::ModelGroup;
+use crate::control::router::Router;
+use crate::data_plane::forward::{self, Endpoint, Forward};
+use crate::error::ApiError;
+use kvroute_http1::client::UpstreamClient;
+
+/// Bodies up to this size are prepared (parsed, tokenized) on the async worker; larger ones on
+/// the blocking pool, so tokenizing a huge prompt cannot stall other connections.
+pub const INLINE_PREPARE_MAX_BYTES: usize = 32 * 1024;
+
+/// A request id for a request that came without a usable one.
+pub fn new_request_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// Counts one answered proxied request (`requests_total{route,status}`), for both servers.
+pub fn count_request(router: &Router, endpoint: Endpoint, status: StatusCode) {
+    router
+        .metrics
+        .requests
+        .with_label_values(&[endpoint.path(), status.as_str()])
+        .inc();
+}
+
+/// Everything between a read body and the engine's answer, shared by both servers (the fast
+/// path and this one): prepare (parse, tokenize), plan, record the decision, forward.
+pub async fn route_request(
+    router: &Arc<Router>,
+    endpoint: Endpoint,
+    bytes: bytes::Bytes,
+    request_id: &str,
+    upstream: &UpstreamClient,
+) -> Result<forward::Routed, ApiError> {
+    let prepared = if bytes.len() <= INLINE_PREPARE_MAX_BYTES {
+        prepare(router, endpoint, &bytes)?
+    } else {
+        let (r, b) = (router.clone(), bytes.clone());
+        tokio::task::spawn_blocking(move || prepare(&r, endpoint, &b))
+            .await
+            .map_err(|e| ApiError::Internal(format!("request preparation failed: {e}")))??
+    };
+    let plan = router.plan(prepared.group, &prepared.tokens)?;
+    router.record_decision(&plan);
+    forward::forward(
+        router,
+        Forward {
+            endpoint,
+            original: (!prepared.rewritten).then_some(bytes),
+            body: prepared.body,
+            request_id,
+            plan: &plan,
+            upstream,
+        },
+    )
+    .await
+}
+
+/// Logs a failed proxied request the way both servers do: server-side failures only.
+pub fn log_failure(e: &ApiError, request_id: &str, endpoint: Endpoint) {
+    if e.status().is_server_error() {
+        tracing::warn!(request_id = %request_id, route = endpoint.path(), error = %e, "request failed");
+    }
+}
+
+/// A request ready to route: its model group, the tokens to hash, the body to forward.
+pub struct Prepared {
+    pub group: Arc<ModelGroup>,
+    pub tokens: Vec<u32>,
+    /// `None` when the body was never materialised (token-id fast path): it is then exactly the
+    /// client's bytes, and the proxy parses them only if it must add a field.
+    pub body: Option<Map<String, Value>>,
+    /// True when `body` differs from the client's bytes (text replaced by token ids).
+    pub rewritten: bool,
+}
+
+/// Tokens and model of a body the generic path would route on its token ids unchanged, or `None`
+/// to take the generic path (which also produces every error message). The reader
+/// ([`crate::data_plane::token_ids`]) accepts a strict subset of what the generic path accepts.
+fn token_ids_fast_path(endpoint: Endpoint, bytes: &[u8]) -> Option<(Option<String>, Vec<u32>)> {
+    let ids_key = match endpoint {
+        Endpoint::Completions => "prompt",
+        Endpoint::Generate => "input_ids",
+        Endpoint::ChatCompletions => return None,
+    };
+    let body = crate::data_plane::token_ids::read_token_ids_body(bytes, ids_key)?;
+    Some((body.model, body.tokens))
+}
+
+fn token_array(v: &Value) -> Option<Vec<u32>> {
+    let arr = v.as_array()?;
+    arr.iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}
+
+pub(crate) fn bad(msg: impl Into<String>) -> ApiError {
+    ApiError::BadRequest(msg.into())
+}
+
+pub(crate) fn missing(field: &str, msg: &str) -> ApiError {
+    ApiError::MissingField {
+        message: msg.to_string(),
+        param: field.to_string(),
+    }
+}
+
+pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prepared, ApiError> {
+    if let Some((model, tokens)) = token_ids_fast_path(endpoint, bytes) {
+        let group = router.resolve_model(model.as_deref())?;
+        return Ok(Prepared {
+            group,
+            tokens,
+            body: None,
+            rewritten: false,
+        });
+    }
+    let value: Value =
+        serde_json::from_slice(bytes).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    let Value::Object(mut body) = value else {
+        return Err(bad("request body must be a JSON object"));
+    };
+    let model = match body.get("model") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(m)) => Some(m.clone()),
+        Some(_) => return Err(bad("'model' must be a string")),
+    };
+    let group = router.resolve_model(model.as_deref())?;
+    let tok = group.tokenizer.clone();
+    let mut rewritten = false;
+    let tokens = match endpoint {
+        Endpoint::Generate => match (body.get("input_ids"), body.get("text")) {
+            (Some(ids), _) if !ids.is_null() => match token_array(ids) {
+                Some(t) => t,
+                // A batch (list of lists) is forwarded untouched and routed on load.
+                None if ids
+                    .as_array()
+                    .is_some_and(|a| a.iter().all(Value::is_array)) =>
+                {
+                    Vec::new()
+                }
+                None => return Err(bad("'input_ids' must be an array of token ids (u32)")),
+            },
+            (_, Some(Value::String(text))) => match &tok {
+                Some(t) => {
+                    let ids = t.encode_prompt(text).map_err(|e| bad(e.to_string()))?;
+                    body.remove("text");
+                    rewritten = true;
+                    body.insert(
+                        "input_ids".into(),
+                        ids.iter().copied().map(Value::from).collect(),
+                    );
+                    ids
+                }
+                None => Vec::new(),
+            },
+            (_, Some(Value::Array(_))) => Vec::new(),
+            (_, Some(_)) => return Err(bad("'text' must be a string or an array of strings")),
+            (_, None) => return Err(missing("text", "one of 'text' or 'input_ids' is required")),
+        },
+        Endpoint::Completions => match body.get("prompt") {
+            None | Some(Value::Null) => return Err(missing("prompt", "'prompt' is required")),
+            Some(Value::String(text)) => match &tok {
+                Some(t) => {
+                    let ids = t.encode_prompt(text).map_err(|e| bad(e.to_string()))?;
+                    rewritten = true;
+                    body.insert(
+                        "prompt".into(),
+                        ids.iter().copied().map(Value::from).collect(),
+                    );
+                    ids
+                }
+                None => Vec::new(),
+            },
+            Some(p @ Value::Array(items)) => match token_array(p) {
+                Some(t) => t,
+                None if items.iter().all(|i| i.is_string() || i.is_array()) => Vec::new(),
+                None => {
+                    return Err(bad(
+                        "'prompt' must be a string, an array of token ids or a batch",
+                    ));
+                }
+            },
+            Some(_) => return Err(bad("'prompt' must be a string or an array")),
+        },
+        Endpoint::ChatCompletions => {
+            let messages = match body.get("messages") {
+                None | Some(Value::Null) => {
+                    return Err(missing("messages", "'messages' is required"));
+                }
+                Some(Value::Array(m)) => m,
+                Some(_) => return Err(bad("'messages' must be an array")),
+            };
+            match &tok {
+                Some(t) if t.has_chat_template() => {
+                    let normalized = crate::routing::tokenize::normalize_messages(messages);
+                    match t.encode_chat(&normalized) {
+                        Ok((ids, how)) => {
+                            if let crate::routing::tokenize::ChatTokenization::Segmented {
+                                cached_segments,
+                                fresh_segments,
+                            } = how
+                            {
+                                let m = &router.metrics.tokenizer_cache;
+                                m.with_label_values(&["hit"]).inc_by(cached_segments as u64);
+                                m.with_label_values(&["miss"]).inc_by(fresh_segments as u64);
+                            } else {
+                                router
+                                    .metrics
+                                    .tokenizer_cache
+                                    .with_label_values(&["whole"])
+                                    .inc();
+                            }
+                            ids
+                        }
+                        Err(crate::routing::tokenize::TokenizeError::BadMessages(m)) => {
+                            return Err(bad(m));
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "chat not tokenized; routing on load");
+                            Vec::new()
+                        }
+                    }
+                }
+                _ => Vec::new(),
+            }
+        }
+    };
+    Ok(Prepared {
+        rewritten,
+        group,
+        tokens,
+        body: Some(body),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_ids_fast_path_reads_ids_and_model_of_objects_only() {
+        let body = br#" {"model":"m1","prompt":[1,2,4294967295],"max_tokens":1,"x":{"y":[null]}}"#;
+        let (model, tokens) = token_ids_fast_path(Endpoint::Completions, body)
+            .expect("token-id body takes the fast path");
+        assert_eq!(model.as_deref(), Some("m1"));
+        assert_eq!(tokens, vec![1, 2, u32::MAX]);
+        let (model, tokens) =
+            token_ids_fast_path(Endpoint::Generate, br#"{"input_ids":[7],"text":"t"}"#)
+                .expect("generate with input_ids takes the fast path");
+        assert_eq!((model, tokens), (None, vec![7]));
+    }
+
+    #[test]
+    fn token_ids_fast_path_leaves_every_other_shape_to_the_generic_path() {
+        for (endpoint, body) in [
+            (Endpoint::Completions, &br#"["m",[1,2]]"#[..]),
+            (Endpoint::Completions, br#"{"prompt":"text"}"#),
+            (Endpoint::Completions, br#"{"prompt":[1,-2]}"#),
+            (Endpoint::Completions, br#"{"prompt":[4294967296]}"#),
+            (Endpoint::Completions, br#"{"prompt":[1],"prompt":[2]}"#),
+            (Endpoint::Completions, br#"{"prompt":[1],"model":3}"#),
+            (Endpoint::Completions, br#"{"prompt":[1]} trailing"#),
+            (Endpoint::Generate, br#"{"input_ids":null,"text":"t"}"#),
+            (Endpoint::Generate, br#"{"input_ids":[[1],[2]]}"#),
+            (
+                Endpoint::ChatCompletions,
+                br#"{"prompt":[1],"messages":[]}"#,
+            ),
+        ] {
+            assert!(
+                token_ids_fast_path(endpoint, body).is_none(),
+                "{endpoint:?} {} must fall back",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+}

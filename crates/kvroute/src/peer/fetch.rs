@@ -1,0 +1,352 @@
+//! The client side of peer bootstrap's transport: fetches a sibling's snapshot or cursor table.
+//!
+//! A sibling may be slow, gone, on another version, behind a misbehaving proxy, or hostile, so
+//! every way a fetch can end is one variant of [`FetchOutcome`] and none of them panics or
+//! allocates without bound:
+//! * three named time budgets: connect, read (between body chunks) and total;
+//! * the body is size-checked while it streams (Content-Length first, then every chunk) AND after
+//!   decompression ([`kvroute_snapshot::decompress_bounded`] for `Content-Encoding`, the binary
+//!   decoder's own bounded inflate for its envelope), both against `--kv-snapshot-max-bytes`;
+//! * redirects are not followed (a redirect is a `Status`), so a token never travels to a host
+//!   nobody configured;
+//! * the bearer token is sent when configured, and the same bytes verify the binary snapshot's
+//!   HMAC: a body signed with another key is [`FetchOutcome::MacRefused`].
+//!
+//! It always asks for the compact binary (`Accept: application/x-kvroute-snapshot`) with
+//! `Accept-Encoding: zstd, gzip`; it still decodes JSON if a sibling answers with it. Decoding
+//! runs on the blocking pool: a large snapshot takes tens of milliseconds of CPU.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_snapshot::{
+    BINARY_CONTENT_TYPE, Compression, DecodeLimits, SnapshotDecodeError, decode_binary,
+    decode_json, decompress_bounded,
+};
+use kvroute_wire::snapshot::IndexSnapshot;
+use reqwest::header;
+
+use crate::peer::internal::{KV_CURSORS_PATH, KV_SNAPSHOT_PATH};
+use crate::peer::producer::CursorTable;
+
+/// Default time to establish a connection to a sibling.
+pub const FETCH_CONNECT_TIMEOUT_MS: u64 = 1_000;
+/// Default longest silence while reading a sibling's response.
+pub const FETCH_READ_TIMEOUT_MS: u64 = 5_000;
+/// Default budget of one whole fetch, body included.
+pub const FETCH_TOTAL_TIMEOUT_MS: u64 = 30_000;
+/// Largest cursor table accepted (it is a few dozen bytes per rank).
+pub const CURSOR_TABLE_MAX_BYTES: usize = 4 * 1024 * 1024;
+
+/// How the fetch client behaves.
+#[derive(Clone)]
+pub struct FetchConfig {
+    pub connect_timeout_ms: u64,
+    pub read_timeout_ms: u64,
+    pub total_timeout_ms: u64,
+    /// Largest body accepted, on the wire and again after decompression.
+    pub max_bytes: usize,
+    /// Bearer token sent to siblings; also the HMAC key a binary snapshot must verify under.
+    pub auth_token: Option<Arc<[u8]>>,
+}
+
+impl FetchConfig {
+    /// Defaults, with the router's own token and size limit.
+    pub fn from_router_config(cfg: &crate::config::RouterConfig) -> Self {
+        FetchConfig {
+            connect_timeout_ms: FETCH_CONNECT_TIMEOUT_MS,
+            read_timeout_ms: FETCH_READ_TIMEOUT_MS,
+            total_timeout_ms: FETCH_TOTAL_TIMEOUT_MS,
+            max_bytes: cfg.kv_snapshot_max_bytes,
+            auth_token: cfg.internal_auth_token.clone(),
+        }
+    }
+}
+
+/// How a fetch ended.
+#[derive(Debug)]
+pub enum FetchOutcome<T> {
+    Body(T),
+    /// Connect failure, timeout, or the connection broke mid-body.
+    Unreachable(String),
+    /// Any status other than 200 (redirects included: they are not followed).
+    Status(u16),
+    /// The body, or its decompression, passed `max_bytes`.
+    TooLarge {
+        limit_bytes: usize,
+    },
+    /// The body is not a snapshot this build can read (bad encoding, checksum, limits, format).
+    Undecodable(String),
+    /// The binary snapshot's MAC is missing or does not verify under our key.
+    MacRefused(String),
+}
+
+impl<T> FetchOutcome<T> {
+    /// Short stable label for logs and metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            FetchOutcome::Body(_) => "ok",
+            FetchOutcome::Unreachable(_) => "unreachable",
+            FetchOutcome::Status(_) => "status",
+            FetchOutcome::TooLarge { .. } => "too_large",
+            FetchOutcome::Undecodable(_) => "undecodable",
+            FetchOutcome::MacRefused(_) => "mac_refused",
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FetchSetupError {
+    #[error("building the HTTP client failed: {0}")]
+    Client(String),
+    #[error("the auth token is not a valid header value")]
+    BadToken,
+}
+
+/// Fetches from siblings' internal listeners; cheap to clone (one connection pool).
+#[derive(Clone)]
+pub struct PeerFetcher {
+    http: reqwest::Client,
+    cfg: FetchConfig,
+    authorization: Option<header::HeaderValue>,
+}
+
+struct RawBody {
+    bytes: Vec<u8>,
+    content_type: String,
+    content_encoding: Option<String>,
+}
+
+impl PeerFetcher {
+    pub fn new(cfg: FetchConfig) -> Result<Self, FetchSetupError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(cfg.connect_timeout_ms))
+            .read_timeout(Duration::from_millis(cfg.read_timeout_ms))
+            .timeout(Duration::from_millis(cfg.total_timeout_ms))
+            .redirect(reqwest::redirect::Policy::none())
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| FetchSetupError::Client(e.to_string()))?;
+        let authorization = match &cfg.auth_token {
+            Some(t) => {
+                let mut v = b"Bearer ".to_vec();
+                v.extend_from_slice(t);
+                let mut v =
+                    header::HeaderValue::from_bytes(&v).map_err(|_| FetchSetupError::BadToken)?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
+        Ok(PeerFetcher {
+            http,
+            cfg,
+            authorization,
+        })
+    }
+
+    pub fn config(&self) -> &FetchConfig {
+        &self.cfg
+    }
+
+    /// `GET {base}/internal/kv_snapshot`, decoded and (for binary with a token) authenticated.
+    /// The snapshot is returned as sent: judging its format, hash scheme and block size is the
+    /// consumer's decision.
+    pub async fn fetch_snapshot(
+        &self,
+        base_url: &str,
+        model: Option<&str>,
+        max_age_ms: Option<u64>,
+    ) -> FetchOutcome<IndexSnapshot> {
+        let mut query: Vec<(&str, String)> = Vec::new();
+        if let Some(m) = model {
+            query.push(("model", m.to_string()));
+        }
+        if let Some(a) = max_age_ms {
+            query.push(("max_age_ms", a.to_string()));
+        }
+        let raw = match self
+            .get(
+                base_url,
+                KV_SNAPSHOT_PATH,
+                &query,
+                BINARY_CONTENT_TYPE,
+                self.cfg.max_bytes,
+            )
+            .await
+        {
+            Ok(raw) => raw,
+            Err(outcome) => return outcome,
+        };
+        let max_bytes = self.cfg.max_bytes;
+        let mac_key = self.cfg.auth_token.clone();
+        let decoded =
+            tokio::task::spawn_blocking(move || decode_snapshot(raw, max_bytes, mac_key)).await;
+        match decoded {
+            Ok(outcome) => outcome,
+            Err(e) => FetchOutcome::Undecodable(format!("decode task failed: {e}")),
+        }
+    }
+
+    /// `GET {base}/internal/kv_cursors`.
+    pub async fn fetch_cursors(
+        &self,
+        base_url: &str,
+        model: Option<&str>,
+    ) -> FetchOutcome<CursorTable> {
+        let query: Vec<(&str, String)> = model
+            .map(|m| ("model", m.to_string()))
+            .into_iter()
+            .collect();
+        let limit = CURSOR_TABLE_MAX_BYTES.min(self.cfg.max_bytes);
+        let raw = match self
+            .get(base_url, KV_CURSORS_PATH, &query, "application/json", limit)
+            .await
+        {
+            Ok(raw) => raw,
+            Err(outcome) => return outcome,
+        };
+        let body = match decompress(&raw, limit) {
+            Ok(b) => b,
+            Err(outcome) => return outcome,
+        };
+        match serde_json::from_slice::<CursorTable>(&body) {
+            Ok(t) => FetchOutcome::Body(t),
+            Err(e) => FetchOutcome::Undecodable(format!("cursor table: {e}")),
+        }
+    }
+
+    async fn get<T>(
+        &self,
+        base_url: &str,
+        path: &str,
+        query: &[(&str, String)],
+        accept: &str,
+        max_bytes: usize,
+    ) -> Result<RawBody, FetchOutcome<T>> {
+        let raw_url = format!("{}{path}", base_url.trim_end_matches('/'));
+        let mut url = reqwest::Url::parse(&raw_url)
+            .map_err(|e| FetchOutcome::Unreachable(format!("bad peer URL {raw_url}: {e}")))?;
+        if !query.is_empty() {
+            let mut pairs = url.query_pairs_mut();
+            for (k, v) in query {
+                pairs.append_pair(k, v);
+            }
+        }
+        let mut req = self
+            .http
+            .get(url.clone())
+            .header(header::ACCEPT, accept)
+            .header(header::ACCEPT_ENCODING, "zstd, gzip");
+        if let Some(auth) = &self.authorization {
+            req = req.header(header::AUTHORIZATION, auth.clone());
+        }
+        let mut resp = req
+            .send()
+            .await
+            .map_err(|e| FetchOutcome::Unreachable(format!("{url}: {e}")))?;
+        if resp.status() != reqwest::StatusCode::OK {
+            return Err(FetchOutcome::Status(resp.status().as_u16()));
+        }
+        if resp
+            .content_length()
+            .is_some_and(|len| len > max_bytes as u64)
+        {
+            return Err(FetchOutcome::TooLarge {
+                limit_bytes: max_bytes,
+            });
+        }
+        let header_str = |name: header::HeaderName| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(|v| v.trim().to_ascii_lowercase())
+        };
+        let content_type = header_str(header::CONTENT_TYPE).unwrap_or_default();
+        let content_encoding = header_str(header::CONTENT_ENCODING);
+        let mut bytes = Vec::new();
+        loop {
+            match resp.chunk().await {
+                Ok(Some(chunk)) => {
+                    if bytes.len().saturating_add(chunk.len()) > max_bytes {
+                        return Err(FetchOutcome::TooLarge {
+                            limit_bytes: max_bytes,
+                        });
+                    }
+                    bytes.extend_from_slice(&chunk);
+                }
+                Ok(None) => break,
+                Err(e) => return Err(FetchOutcome::Unreachable(format!("{url}: body: {e}"))),
+            }
+        }
+        Ok(RawBody {
+            bytes,
+            content_type,
+            content_encoding,
+        })
+    }
+}
+
+/// Undoes `Content-Encoding` under the byte limit.
+fn decompress<T>(
+    raw: &RawBody,
+    max_bytes: usize,
+) -> Result<std::borrow::Cow<'_, [u8]>, FetchOutcome<T>> {
+    let compression = match raw.content_encoding.as_deref() {
+        None | Some("") | Some("identity") => Compression::None,
+        Some("gzip") | Some("x-gzip") => Compression::Gzip,
+        Some("zstd") => Compression::Zstd,
+        Some(other) => {
+            return Err(FetchOutcome::Undecodable(format!(
+                "unsupported Content-Encoding {other:?}"
+            )));
+        }
+    };
+    decompress_bounded(&raw.bytes, compression, max_bytes).map_err(decode_failure)
+}
+
+fn decode_snapshot(
+    raw: RawBody,
+    max_bytes: usize,
+    mac_key: Option<Arc<[u8]>>,
+) -> FetchOutcome<IndexSnapshot> {
+    let body = match decompress(&raw, max_bytes) {
+        Ok(b) => b,
+        Err(outcome) => return outcome,
+    };
+    let limits = DecodeLimits {
+        max_bytes,
+        ..DecodeLimits::default()
+    };
+    let media = raw.content_type.split(';').next().unwrap_or("").trim();
+    let decoded = if media == BINARY_CONTENT_TYPE {
+        decode_binary(&body, &limits, mac_key.as_deref())
+    } else if media == "application/json" {
+        // JSON carries no MAC: with a key configured only the authenticated binary is trusted.
+        if mac_key.is_some() {
+            return FetchOutcome::MacRefused(
+                "a JSON snapshot carries no MAC, but a key is configured".into(),
+            );
+        }
+        decode_json(&body, &limits)
+    } else {
+        return FetchOutcome::Undecodable(format!("unexpected Content-Type {media:?}"));
+    };
+    match decoded {
+        Ok(s) => FetchOutcome::Body(s),
+        Err(e) => decode_failure(e),
+    }
+}
+
+fn decode_failure<T>(e: SnapshotDecodeError) -> FetchOutcome<T> {
+    match e {
+        SnapshotDecodeError::TooLarge { limit_bytes } => FetchOutcome::TooLarge { limit_bytes },
+        SnapshotDecodeError::InputTooLarge { limit_bytes, .. } => {
+            FetchOutcome::TooLarge { limit_bytes }
+        }
+        SnapshotDecodeError::MacMissing
+        | SnapshotDecodeError::MacMismatch
+        | SnapshotDecodeError::MacKeyTooShort { .. } => FetchOutcome::MacRefused(e.to_string()),
+        other => FetchOutcome::Undecodable(other.to_string()),
+    }
+}

@@ -1,0 +1,571 @@
+//! The internal listener: endpoints sibling router replicas call, never clients.
+//!
+//! They live on their own listener (`--internal-port`, default main port + 1, bind address
+//! `--internal-bind`) so the public API port never exposes them and a NetworkPolicy can open
+//! the internal port to siblings only. With `--internal-auth-token-file`, every request needs
+//! `Authorization: Bearer <token>` (compared in constant time; 401 otherwise), and the same token
+//! bytes key the binary snapshot's HMAC, so a compact snapshot is authenticated even if a proxy
+//! in between terminates the connection. A snapshot holds block hashes, tiers and worker
+//! addresses, never prompt text, which is why hashes-only is enough for bootstrap.
+//!
+//! * `GET /internal/kv_snapshot[?model=NAME][&max_age_ms=N]`: the model's index
+//!   ([`crate::peer::producer`] explains caching, single flight and consistency). Format by
+//!   `Accept`: `application/x-kvroute-snapshot` gets the compact binary (what the fetch client
+//!   always asks for); no `Accept`, `*/*` or `application/json` gets JSON, so `curl` shows
+//!   something readable. Compression by `Accept-Encoding`: zstd preferred over gzip, identity
+//!   otherwise. JSON is compressed as HTTP `Content-Encoding`; the binary compresses INSIDE its
+//!   envelope (header `x-kvroute-snapshot-compression` names it, no `Content-Encoding`), because
+//!   its HMAC is then verified before a single byte is decompressed.
+//! * `GET /internal/kv_cursors[?model=NAME]`: the rank table and cursors, never cached.
+//!
+//! Both answer 404 when this replica keeps no index for the model (policy not cache-aware, no
+//! worker publishing events, unknown model), 400 when several models have indexes and none was
+//! named, and 503 while the index has no cursor at all (it has not applied one batch yet).
+//! Unknown query parameters are ignored.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router as AxumRouter;
+use axum::body::Body;
+use axum::extract::{Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use bytes::Bytes;
+use kvroute_snapshot::{BINARY_CONTENT_TYPE, Compression, JSON_CONTENT_TYPE};
+use serde_json::json;
+
+use crate::control::readiness::{self, ReadinessGate};
+use crate::control::router::Router;
+use crate::peer::producer::{
+    ExportRequest, PRODUCER_CACHE_TTL_MS, PRODUCER_MAX_AGE_MS_MAX, ProduceError,
+    SNAPSHOT_BUSY_RETRY_AFTER_S, SnapshotFormat, cursor_table, index_has_cursor,
+};
+
+/// Largest `--internal-auth-token-file` read; a token is a short secret, not a document.
+pub const INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES: u64 = 4096;
+
+/// Reads an internal auth token file: bounded, trailing whitespace (the newline `echo` and
+/// editors add) trimmed, and long enough to key the snapshot HMAC.
+pub fn read_internal_auth_token(path: &std::path::Path) -> Result<Arc<[u8]>, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| {
+        format!(
+            "cannot open --internal-auth-token-file {}: {e}",
+            path.display()
+        )
+    })?;
+    let mut raw = Vec::new();
+    file.take(INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES + 1)
+        .read_to_end(&mut raw)
+        .map_err(|e| {
+            format!(
+                "cannot read --internal-auth-token-file {}: {e}",
+                path.display()
+            )
+        })?;
+    if raw.len() as u64 > INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES {
+        return Err(format!(
+            "--internal-auth-token-file is larger than {INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES} bytes"
+        ));
+    }
+    let end = raw
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(0, |i| i + 1);
+    raw.truncate(end);
+    if raw.len() < kvroute_snapshot::limits::MAC_KEY_MIN_BYTES {
+        return Err(format!(
+            "--internal-auth-token-file holds {} bytes; at least {} are needed (it also keys the snapshot HMAC)",
+            raw.len(),
+            kvroute_snapshot::limits::MAC_KEY_MIN_BYTES
+        ));
+    }
+    if raw.iter().any(|b| !b.is_ascii_graphic()) {
+        return Err(
+            "--internal-auth-token-file must hold printable ASCII without spaces (it is sent as a bearer token)"
+                .into(),
+        );
+    }
+    Ok(Arc::from(raw))
+}
+
+/// Path of the snapshot endpoint.
+pub const KV_SNAPSHOT_PATH: &str = "/internal/kv_snapshot";
+/// Path of the cursor table endpoint.
+pub const KV_CURSORS_PATH: &str = "/internal/kv_cursors";
+/// Response header naming the compression inside a binary snapshot's envelope.
+pub const SNAPSHOT_COMPRESSION_HEADER: &str = "x-kvroute-snapshot-compression";
+/// Response header: age of the served export at the request's arrival, in milliseconds.
+pub const SNAPSHOT_AGE_HEADER: &str = "x-kvroute-snapshot-age-ms";
+/// Bytes per body chunk when streaming an encoded snapshot.
+pub const SNAPSHOT_STREAM_CHUNK_BYTES: usize = 256 * 1024;
+
+#[derive(Clone)]
+struct InternalState {
+    router: Arc<Router>,
+    gates: Arc<Vec<Arc<dyn ReadinessGate>>>,
+}
+
+/// The internal listener's routes, behind the bearer-token check when a token is configured.
+pub fn internal_app(router: Arc<Router>, gates: Arc<Vec<Arc<dyn ReadinessGate>>>) -> AxumRouter {
+    let token = router.config.internal_auth_token.clone();
+    let state = InternalState { router, gates };
+    AxumRouter::new()
+        .route(KV_SNAPSHOT_PATH, get(kv_snapshot))
+        .route(KV_CURSORS_PATH, get(kv_cursors))
+        .fallback(|| async { refuse(StatusCode::NOT_FOUND, "not_found", "unknown internal route") })
+        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(token, require_token))
+}
+
+async fn require_token(
+    State(token): State<Option<Arc<[u8]>>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if let Some(expected) = &token {
+        let presented = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+        if !presented.is_some_and(|p| constant_time_eq(p, expected)) {
+            let mut resp = refuse(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "a valid bearer token is required on the internal listener",
+            );
+            resp.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return resp;
+        }
+    }
+    next.run(req).await
+}
+
+/// Compares without an early exit on the first differing byte, so response timing does not
+/// reveal how much of a guessed token was right. (The length is not secret: it is compared
+/// first.)
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+fn refuse(status: StatusCode, code: &str, message: &str) -> Response {
+    (
+        status,
+        axum::Json(json!({"error": {"code": code, "message": message}})),
+    )
+        .into_response()
+}
+
+fn busy(message: &str) -> Response {
+    let mut resp = refuse(StatusCode::SERVICE_UNAVAILABLE, "busy", message);
+    resp.headers_mut().insert(
+        header::RETRY_AFTER,
+        HeaderValue::from(SNAPSHOT_BUSY_RETRY_AFTER_S),
+    );
+    resp
+}
+
+/// Parses `max_age_ms`: absent -> the default, digits beyond [`PRODUCER_MAX_AGE_MS_MAX`] (or
+/// beyond u64) saturate, anything else is a 400.
+pub fn parse_max_age(raw: Option<&str>) -> Result<Duration, String> {
+    let Some(raw) = raw else {
+        return Ok(Duration::from_millis(PRODUCER_CACHE_TTL_MS));
+    };
+    let raw = raw.trim();
+    if raw.is_empty() || !raw.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!(
+            "max_age_ms must be a non-negative integer, got {raw:?}"
+        ));
+    }
+    let ms = raw.parse::<u64>().unwrap_or(u64::MAX);
+    Ok(Duration::from_millis(ms.min(PRODUCER_MAX_AGE_MS_MAX)))
+}
+
+/// Media type from `Accept`: binary only when asked for by name (with q > 0).
+pub fn negotiate_format(headers: &HeaderMap) -> SnapshotFormat {
+    let accepts_binary = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|item| {
+            let (name, q) = media_and_q(item);
+            name.eq_ignore_ascii_case(BINARY_CONTENT_TYPE) && q > 0.0
+        });
+    if accepts_binary {
+        SnapshotFormat::Binary
+    } else {
+        SnapshotFormat::Json
+    }
+}
+
+/// Compression from `Accept-Encoding`: zstd if accepted, else gzip, else identity.
+pub fn negotiate_compression(headers: &HeaderMap) -> Compression {
+    let mut zstd = false;
+    let mut gzip = false;
+    for item in headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+    {
+        let (name, q) = media_and_q(item);
+        if q <= 0.0 {
+            continue;
+        }
+        if name.eq_ignore_ascii_case("zstd") {
+            zstd = true;
+        } else if name.eq_ignore_ascii_case("gzip") || name.eq_ignore_ascii_case("x-gzip") {
+            gzip = true;
+        }
+    }
+    if zstd {
+        Compression::Zstd
+    } else if gzip {
+        Compression::Gzip
+    } else {
+        Compression::None
+    }
+}
+
+fn media_and_q(item: &str) -> (&str, f32) {
+    let mut parts = item.split(';');
+    let name = parts.next().unwrap_or("").trim();
+    let q = parts
+        .filter_map(|p| p.trim().strip_prefix("q="))
+        .filter_map(|q| q.trim().parse::<f32>().ok())
+        .next()
+        .unwrap_or(1.0);
+    (name, q)
+}
+
+/// Why a request names no usable index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IndexRefusal {
+    /// Not cache-aware, unknown model, or no worker of the model publishes KV events.
+    NoIndex,
+    /// Several models have indexes and the request named none of them.
+    ModelRequired { models: Vec<String> },
+}
+
+impl IntoResponse for IndexRefusal {
+    fn into_response(self) -> Response {
+        match self {
+            IndexRefusal::NoIndex => refuse(
+                StatusCode::NOT_FOUND,
+                "no_index",
+                "this replica keeps no prefix index for that model",
+            ),
+            IndexRefusal::ModelRequired { models } => refuse(
+                StatusCode::BAD_REQUEST,
+                "model_required",
+                &format!(
+                    "several models have indexes ({}); add ?model=NAME",
+                    models.join(", ")
+                ),
+            ),
+        }
+    }
+}
+
+/// The model whose index a request targets.
+fn resolve_index(
+    router: &Router,
+    model: Option<&str>,
+) -> Result<(String, kvroute_kv::ModelView), IndexRefusal> {
+    if router.config.policy != crate::routing::policy::PolicyKind::CacheAware {
+        return Err(IndexRefusal::NoIndex);
+    }
+    let plane = router.kv.plane();
+    match model {
+        Some(m) => plane
+            .model_view(m)
+            .map(|v| (m.to_string(), v))
+            .ok_or(IndexRefusal::NoIndex),
+        None => {
+            let mut indexed: Vec<(String, kvroute_kv::ModelView)> = router
+                .registry
+                .models()
+                .iter()
+                .filter_map(|g| plane.model_view(&g.name).map(|v| (g.name.clone(), v)))
+                .collect();
+            match indexed.len() {
+                0 => Err(IndexRefusal::NoIndex),
+                1 => Ok(indexed.remove(0)),
+                _ => {
+                    let mut models: Vec<String> = indexed.into_iter().map(|(n, _)| n).collect();
+                    models.sort_unstable();
+                    Err(IndexRefusal::ModelRequired { models })
+                }
+            }
+        }
+    }
+}
+
+fn not_ready() -> Response {
+    let mut resp = refuse(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "index_not_ready",
+        "this replica's index has not applied any KV event yet",
+    );
+    resp.headers_mut().insert(
+        header::RETRY_AFTER,
+        HeaderValue::from(SNAPSHOT_BUSY_RETRY_AFTER_S),
+    );
+    resp
+}
+
+async fn kv_snapshot(
+    State(s): State<InternalState>,
+    Query(query): Query<HashMap<String, String>>,
+    headers: HeaderMap,
+) -> Response {
+    let arrival = Instant::now();
+    let producer = &s.router.snapshots;
+    let max_age = match parse_max_age(query.get("max_age_ms").map(String::as_str)) {
+        Ok(d) => d,
+        Err(e) => return refuse(StatusCode::BAD_REQUEST, "bad_max_age_ms", &e),
+    };
+    let (model, view) = match resolve_index(&s.router, query.get("model").map(String::as_str)) {
+        Ok(v) => v,
+        Err(refusal) => {
+            producer
+                .metrics
+                .refused
+                .with_label_values(&["no_index"])
+                .inc();
+            return refusal.into_response();
+        }
+    };
+    if !index_has_cursor(&view.reader) {
+        producer
+            .metrics
+            .refused
+            .with_label_values(&["not_ready"])
+            .inc();
+        return not_ready();
+    }
+    let format = negotiate_format(&headers);
+    let compression = negotiate_compression(&headers);
+    let gates = s.gates.clone();
+    let produced = async {
+        let (export, _) = producer
+            .export(
+                &model,
+                &view.reader,
+                ExportRequest { arrival, max_age },
+                move || readiness::evaluate(&gates).ready,
+            )
+            .await?;
+        let bytes = producer.encoded(&export, format, compression).await?;
+        Ok::<_, ProduceError>((export, bytes))
+    }
+    .await;
+    let (export, bytes) = match produced {
+        Ok(v) => v,
+        Err(ProduceError::Busy) => {
+            producer.metrics.refused.with_label_values(&["busy"]).inc();
+            return busy("every snapshot export slot is busy");
+        }
+        Err(ProduceError::TooLarge { limit_bytes }) => {
+            producer
+                .metrics
+                .refused
+                .with_label_values(&["too_large"])
+                .inc();
+            tracing::warn!(
+                model = %model,
+                format = format.label(),
+                limit_bytes,
+                "snapshot refused: the encoded export exceeds --kv-snapshot-max-bytes"
+            );
+            return refuse(
+                StatusCode::INSUFFICIENT_STORAGE,
+                "snapshot_too_large",
+                &format!("the encoded snapshot exceeds {limit_bytes} bytes"),
+            );
+        }
+        Err(e) => {
+            producer.metrics.refused.with_label_values(&["error"]).inc();
+            tracing::error!(model = %model, error = %e, "snapshot export failed");
+            return refuse(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "export_failed",
+                &e.to_string(),
+            );
+        }
+    };
+    let compression_label = compression.content_encoding().unwrap_or("identity");
+    producer
+        .metrics
+        .bytes_served
+        .with_label_values(&[format.label(), compression_label])
+        .inc_by(bytes.len() as u64);
+    let mut resp = Response::new(stream_bytes(bytes.clone()));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(match format {
+            SnapshotFormat::Binary => BINARY_CONTENT_TYPE,
+            SnapshotFormat::Json => JSON_CONTENT_TYPE,
+        }),
+    );
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+    h.insert(
+        header::VARY,
+        HeaderValue::from_static("accept, accept-encoding"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(
+        SNAPSHOT_AGE_HEADER,
+        HeaderValue::from(export.age_at(arrival).as_millis() as u64),
+    );
+    match format {
+        SnapshotFormat::Json => {
+            if let Some(enc) = compression.content_encoding() {
+                h.insert(header::CONTENT_ENCODING, HeaderValue::from_static(enc));
+            }
+        }
+        SnapshotFormat::Binary => {
+            h.insert(
+                SNAPSHOT_COMPRESSION_HEADER,
+                HeaderValue::from_static(compression_label),
+            );
+        }
+    }
+    resp
+}
+
+/// Streams slices of one shared buffer: no copy, and the socket sees bounded writes.
+fn stream_bytes(bytes: Bytes) -> Body {
+    let len = bytes.len();
+    let chunks = (0..len)
+        .step_by(SNAPSHOT_STREAM_CHUNK_BYTES)
+        .map(move |start| {
+            Ok::<_, Infallible>(bytes.slice(start..len.min(start + SNAPSHOT_STREAM_CHUNK_BYTES)))
+        });
+    Body::from_stream(futures::stream::iter(chunks))
+}
+
+async fn kv_cursors(
+    State(s): State<InternalState>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let (_, view) = match resolve_index(&s.router, query.get("model").map(String::as_str)) {
+        Ok(v) => v,
+        Err(refusal) => return refusal.into_response(),
+    };
+    if !index_has_cursor(&view.reader) {
+        return not_ready();
+    }
+    let mut resp = axum::Json(cursor_table(&view.reader)).into_response();
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn token_file_is_trimmed_and_a_short_token_is_refused() {
+        let dir = std::env::temp_dir().join(format!("kvroute-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good");
+        std::fs::write(&good, "0123456789abcdef-token\n").unwrap();
+        assert_eq!(
+            &*read_internal_auth_token(&good).unwrap(),
+            b"0123456789abcdef-token"
+        );
+        let short = dir.join("short");
+        std::fs::write(&short, "short\n").unwrap();
+        assert!(
+            read_internal_auth_token(&short)
+                .unwrap_err()
+                .contains("at least 16")
+        );
+        assert!(read_internal_auth_token(&dir.join("missing")).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    #[test]
+    fn binary_only_when_named_and_json_for_curl_defaults() {
+        assert_eq!(negotiate_format(&headers(&[])), SnapshotFormat::Json);
+        assert_eq!(
+            negotiate_format(&headers(&[("accept", "*/*")])),
+            SnapshotFormat::Json
+        );
+        assert_eq!(
+            negotiate_format(&headers(&[(
+                "accept",
+                "application/json, application/x-kvroute-snapshot"
+            )])),
+            SnapshotFormat::Binary
+        );
+        assert_eq!(
+            negotiate_format(&headers(&[(
+                "accept",
+                "application/x-kvroute-snapshot;q=0"
+            )])),
+            SnapshotFormat::Json
+        );
+    }
+
+    #[test]
+    fn zstd_is_preferred_over_gzip_and_q_zero_refuses() {
+        assert_eq!(
+            negotiate_compression(&headers(&[("accept-encoding", "gzip, zstd")])),
+            Compression::Zstd
+        );
+        assert_eq!(
+            negotiate_compression(&headers(&[("accept-encoding", "gzip;q=0.5, zstd;q=0")])),
+            Compression::Gzip
+        );
+        assert_eq!(
+            negotiate_compression(&headers(&[("accept-encoding", "br, deflate")])),
+            Compression::None
+        );
+        assert_eq!(negotiate_compression(&headers(&[])), Compression::None);
+    }
+
+    #[test]
+    fn max_age_defaults_saturates_and_refuses_garbage() {
+        assert_eq!(
+            parse_max_age(None).unwrap(),
+            Duration::from_millis(PRODUCER_CACHE_TTL_MS)
+        );
+        assert_eq!(parse_max_age(Some("0")).unwrap(), Duration::ZERO);
+        assert_eq!(
+            parse_max_age(Some("99999999999999999999999999")).unwrap(),
+            Duration::from_millis(PRODUCER_MAX_AGE_MS_MAX)
+        );
+        assert!(parse_max_age(Some("-1")).is_err());
+        assert!(parse_max_age(Some("soon")).is_err());
+    }
+
+    #[test]
+    fn token_compare_needs_equal_bytes_and_length() {
+        assert!(constant_time_eq(b"0123456789abcdef", b"0123456789abcdef"));
+        assert!(!constant_time_eq(b"0123456789abcdeF", b"0123456789abcdef"));
+        assert!(!constant_time_eq(b"0123456789abcde", b"0123456789abcdef"));
+    }
+}

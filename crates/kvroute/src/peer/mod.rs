@@ -1,0 +1,11 @@
+//! The sibling side of a replica: what other kvroute replicas ask of it, and what it asks of them.
+//!
+//! [`internal`] is the internal listener (its own port and bind address, optional bearer token)
+//! that serves [`producer`]'s cached index snapshots and the cursor table; [`fetch`] is the
+//! client a booting replica uses to pull a sibling's snapshot. Sibling DISCOVERY is the
+//! `kvroute-discovery` crate; the decisions of the bootstrap consumer (vetting, per-rank state,
+//! the sweep) are the pure `kvroute-bootstrap` crate, composed here.
+
+pub mod fetch;
+pub mod internal;
+pub mod producer;

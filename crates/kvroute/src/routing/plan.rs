@@ -1,0 +1,232 @@
+//! Choosing ranks for one request: resolve its model group, score every routable rank (the
+//! index's per-rank prefix depth, pending prefixes and load, through the policy) and order them,
+//! then (cache_aware) record the prompt's unconfirmed blocks as pending on the chosen rank.
+//!
+//! Synchronous and lock-light on purpose: the model group is an `Arc` snapshot, per-rank load is
+//! atomics, and the prompt's block hashes and the pending walk live in a thread-local scratch, so
+//! planning allocates nothing per request and holds nothing across an await. `/debug/route` plans
+//! through the same code without recording, so looking never changes what the next request sees.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::control::registry::{ModelGroup, Worker};
+use crate::control::router::Router;
+use crate::error::ApiError;
+use crate::routing::pending::{RankKey, RankWalk};
+use crate::routing::policy::{Decision, RankInput};
+
+thread_local! {
+    /// Per routing thread: the request's block hashes and the pending walk's per-rank state,
+    /// reused so planning allocates neither.
+    static PLAN_SCRATCH: RefCell<(Vec<u64>, Vec<RankWalk>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// One routable rank of the request's model.
+#[derive(Clone)]
+pub struct RankCandidate {
+    pub worker: Arc<Worker>,
+    pub dp_rank: u32,
+    pub input: RankInput,
+}
+
+pub struct RoutePlan {
+    pub model: Arc<ModelGroup>,
+    pub candidates: Vec<RankCandidate>,
+    pub decision: Decision,
+    pub prompt_tokens: usize,
+    pub indexed: bool,
+}
+
+impl RoutePlan {
+    pub fn chosen(&self) -> &RankCandidate {
+        &self.candidates[self.decision.order[0]]
+    }
+
+    /// Compact one-line explanation for the `x-kvroute-decision` header.
+    pub fn header_value(&self, policy: &str, idx: usize) -> String {
+        let c = &self.candidates[idx];
+        let s = &self.decision.scores[idx];
+        format!(
+            "policy={policy};reason={};worker={};url={};dp_rank={};matched_blocks={};prompt_tokens={};cost_ms={:.3};candidates={};pending_blocks={}",
+            self.decision.reason,
+            c.worker.id,
+            c.worker.url,
+            c.dp_rank,
+            c.input.matched_blocks,
+            self.prompt_tokens,
+            s.cost_ms,
+            self.candidates.len(),
+            c.input.pending_blocks
+        )
+    }
+}
+
+fn rank_key(c: &RankCandidate) -> RankKey {
+    RankKey {
+        worker: c.worker.id,
+        dp_rank: c.dp_rank,
+    }
+}
+
+impl Router {
+    /// The model group a request names (or the only one when it names none).
+    pub fn resolve_model(&self, model: Option<&str>) -> Result<Arc<ModelGroup>, ApiError> {
+        match model {
+            Some(m) => self
+                .registry
+                .model(m)
+                .ok_or_else(|| ApiError::UnknownModel(m.to_string())),
+            None => self
+                .registry
+                .sole_model()
+                .ok_or_else(|| ApiError::MissingField {
+                    message: "'model' is required when the router serves several models (or none)"
+                        .into(),
+                    param: "model".into(),
+                }),
+        }
+    }
+
+    /// Scores every routable rank of `group` for `tokens` and orders them, and (cache_aware)
+    /// records the prompt's blocks as pending on the chosen rank: the routing path.
+    pub fn plan(&self, group: Arc<ModelGroup>, tokens: &[u32]) -> Result<RoutePlan, ApiError> {
+        self.plan_inner(group, tokens, true)
+    }
+
+    /// Like [`Router::plan`] but without side effects on routing state (no pending entries):
+    /// for `/debug/route`, so inspecting a decision never changes the next one.
+    pub fn plan_preview(
+        &self,
+        group: Arc<ModelGroup>,
+        tokens: &[u32],
+    ) -> Result<RoutePlan, ApiError> {
+        self.plan_inner(group, tokens, false)
+    }
+
+    fn plan_inner(
+        &self,
+        group: Arc<ModelGroup>,
+        tokens: &[u32],
+        record_pending: bool,
+    ) -> Result<RoutePlan, ApiError> {
+        let started = Instant::now();
+        let now = started;
+        let now_us = crate::control::registry::clock_us();
+        let mut candidates = Vec::with_capacity(group.workers.len() * 2);
+        for w in &group.workers {
+            if !w.routable(now) {
+                continue;
+            }
+            for (r, load) in w.ranks.iter().enumerate() {
+                candidates.push(RankCandidate {
+                    worker: w.clone(),
+                    dp_rank: r as u32,
+                    input: RankInput {
+                        matched_blocks: 0,
+                        device_blocks: 0,
+                        pending_blocks: 0,
+                        in_flight: load.in_flight.load(std::sync::atomic::Ordering::Relaxed),
+                        queued_prefill_tokens: load
+                            .queued_prefill_tokens
+                            .load(std::sync::atomic::Ordering::Relaxed),
+                        prefill_backlog_us: load.prefill_backlog_us(now_us) as f64,
+                        engine: self.kv.engine_load(&w.url, r as u32),
+                    },
+                });
+            }
+        }
+        if candidates.is_empty() {
+            return Err(ApiError::NoHealthyWorker(format!(
+                "no healthy worker serves model '{}'",
+                group.name
+            )));
+        }
+        let needs_match = self.policy.kind == crate::routing::policy::PolicyKind::CacheAware
+            && !tokens.is_empty();
+        let mut block_size = group.block_size;
+        let mut indexed = false;
+        let decision = PLAN_SCRATCH.with(|scratch| {
+            let (hashes, walks) = &mut *scratch.borrow_mut();
+            hashes.clear();
+            if needs_match
+                && let Some(bs) =
+                    self.kv
+                        .match_prefix(&group.name, tokens, hashes, |url, dp, hit| {
+                            if let Some(c) = candidates
+                                .iter_mut()
+                                .find(|c| c.dp_rank == dp && &*c.worker.url == url)
+                            {
+                                c.input.matched_blocks = hit.matched_blocks;
+                                c.input.device_blocks = hit.device_blocks;
+                            }
+                        })
+            {
+                block_size = bs;
+                indexed = true;
+            }
+            let use_pending = needs_match && self.pending.enabled();
+            if use_pending && !indexed {
+                // No index for this model (no KV events): pending entries alone still keep a
+                // cold burst together, hashed at the group's block size.
+                crate::routing::kv::hash_blocks(tokens, block_size, hashes);
+            }
+            if use_pending && let Some(table) = self.pending.model(&group.name) {
+                walks.clear();
+                walks.extend(candidates.iter().map(|c| {
+                    RankWalk::new(rank_key(c), c.input.matched_blocks, c.input.device_blocks)
+                }));
+                table.extend(hashes, self.pending.now_ms(now), walks);
+                for (c, w) in candidates.iter_mut().zip(walks.iter()) {
+                    c.input.matched_blocks = w.blocks;
+                    c.input.device_blocks = w.device_blocks;
+                    c.input.pending_blocks = w.pending_blocks();
+                }
+            }
+            let inputs: Vec<RankInput> = candidates.iter().map(|c| c.input).collect();
+            let decision = self.policy.decide(&inputs, tokens.len(), block_size);
+            if use_pending && record_pending {
+                let chosen = &candidates[decision.order[0]];
+                // Only blocks neither indexed nor already pending there: an existing entry is
+                // not refreshed, because the request that made it is the one that will produce
+                // those blocks, so its TTL is the right horizon (and a stream of requests for
+                // a prefix that is never confirmed cannot keep it alive forever).
+                self.pending.record(
+                    &group.name,
+                    hashes,
+                    chosen.input.matched_blocks as usize,
+                    rank_key(chosen),
+                    now,
+                    chosen.input.pending_blocks > 0,
+                );
+            }
+            decision
+        });
+        let policy = self.policy.kind.as_str();
+        self.metrics
+            .routing_latency
+            .with_label_values(&[policy])
+            .observe(started.elapsed().as_secs_f64());
+        Ok(RoutePlan {
+            model: group,
+            candidates,
+            decision,
+            prompt_tokens: tokens.len(),
+            indexed,
+        })
+    }
+
+    /// Records a routed decision in the metrics (not done for `/debug/route`).
+    pub fn record_decision(&self, plan: &RoutePlan) {
+        let policy = self.policy.kind.as_str();
+        self.metrics
+            .decisions
+            .with_label_values(&[policy, plan.decision.reason])
+            .inc();
+        self.metrics
+            .matched_blocks
+            .with_label_values(&[&plan.model.name])
+            .observe(plan.chosen().input.matched_blocks as f64);
+    }
+}

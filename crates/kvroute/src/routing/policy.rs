@@ -1,0 +1,638 @@
+//! Routing policies and the cache-aware cost model.
+//!
+//! Every policy turns a list of routable rank candidates into an ORDER (best first): the first is
+//! the choice, the rest are the retry targets if the first cannot be reached. Unroutable ranks
+//! (unhealthy, ejected) are filtered out before a policy ever sees them, so no policy can pick one.
+//!
+//! Cost model of `cache_aware`: the estimated time to first token on a rank, in milliseconds,
+//!
+//! ```text
+//! uncached  = prompt_tokens - device_hit_tokens - offloaded_hit_tokens * (1 - offloaded_fraction)
+//! queued_us = min(queued_prefill_tokens * prefill_cost_us_per_token, prefill_backlog_us)
+//! cost_ms   = ( uncached * prefill_cost_us_per_token + queued_us
+//!             + in_flight * decode_penalty_us_per_request ) / 1000
+//! ```
+//!
+//! where hit tokens come from the rank's contiguous matched prefix (blocks * block size; blocks in
+//! a host/disk tier count as partially paid; blocks pending on the rank, routed there but not yet
+//! confirmed by KV events, count as device blocks), `queued_prefill_tokens` is the router's estimate of
+//! prompt tokens it sent to the rank that have not started answering, `prefill_backlog_us` is the
+//! same work on a virtual clock (each dispatch adds its prefill time after the rank's previous
+//! virtual finish time), so work sent long enough ago stops counting even before its first byte
+//! is seen, and `in_flight` is the larger
+//! of the router's own count and the engine-reported running + waiting requests (the engine sees
+//! traffic from other routers; the router sees its own dispatches before the engine reports them).
+//! With `temperature_ms = 0` the cheapest rank wins (exact ties broken at random so equal cold
+//! ranks share load); otherwise a rank is drawn with probability proportional to
+//! `exp(-(cost_ms - min_cost_ms) / temperature_ms)`.
+//!
+//! Bounded-load guard (see [`within_load_bound`]): before that choice, ranks whose in-flight
+//! requests (this one included) exceed `load_bound_factor` x the mean per rank plus
+//! `load_bound_slack_requests` are set aside while any rank is within the bound; they stay in
+//! the order as retry targets. The guard exists because the cost model's errors on a rank under
+//! cache pressure reinforce themselves (see the function's comment); it never decides among
+//! ranks that are all within it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use clap::ValueEnum;
+use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+/// Routing policy selected by `--policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    CacheAware,
+    RoundRobin,
+    Random,
+    PowerOfTwo,
+    LeastLoad,
+}
+
+impl PolicyKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::CacheAware => "cache_aware",
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::Random => "random",
+            PolicyKind::PowerOfTwo => "power_of_two",
+            PolicyKind::LeastLoad => "least_load",
+        }
+    }
+
+    pub const ALL: [PolicyKind; 5] = [
+        PolicyKind::CacheAware,
+        PolicyKind::RoundRobin,
+        PolicyKind::Random,
+        PolicyKind::PowerOfTwo,
+        PolicyKind::LeastLoad,
+    ];
+}
+
+/// Weights of the cache-aware cost model (see `policy` for the formula).
+#[derive(Debug, Clone, Copy)]
+pub struct CostWeights {
+    /// Estimated prefill time per uncached prompt token, in microseconds.
+    pub prefill_cost_us_per_token: f64,
+    /// Estimated delay one in-flight (decoding) request adds to a new request's first token, in
+    /// microseconds.
+    pub decode_penalty_us_per_request: f64,
+    /// Fraction of a full prefill a block found only in a host/disk tier still costs (loading it
+    /// back is cheaper than recomputing, but not free).
+    pub offloaded_block_cost_fraction: f64,
+    /// Softmax temperature over the cost in milliseconds; 0 picks the argmin.
+    pub temperature_ms: f64,
+    /// Bounded-load guard: a rank whose in-flight requests (this one included) would exceed
+    /// `load_bound_factor` x the fleet's mean plus `load_bound_slack_requests` is not chosen
+    /// first while another rank is within the bound, whatever its cache. 0 = no guard.
+    pub load_bound_factor: f64,
+    /// Requests a rank may carry above `load_bound_factor` x the mean (affinity is nearly free at
+    /// low load: a second request sharing a prefix should still land with the first).
+    pub load_bound_slack_requests: f64,
+}
+
+impl Default for CostWeights {
+    fn default() -> Self {
+        CostWeights {
+            prefill_cost_us_per_token: 50.0,
+            decode_penalty_us_per_request: 2_000.0,
+            offloaded_block_cost_fraction: 0.3,
+            temperature_ms: 0.0,
+            load_bound_factor: DEFAULT_LOAD_BOUND_FACTOR,
+            load_bound_slack_requests: DEFAULT_LOAD_BOUND_SLACK_REQUESTS,
+        }
+    }
+}
+
+/// Default bounded-load factor: a rank may carry twice the mean in-flight load (plus the slack)
+/// before the cache stops being allowed to pull more work onto it. Chosen on the demo's mixed
+/// load (docs/BENCHMARKS.md): 2.0 removed the herding rounds and kept the median hit rate; 1.5
+/// also removed them but cost hit rate.
+pub const DEFAULT_LOAD_BOUND_FACTOR: f64 = 2.0;
+/// Default slack of the bound, in requests: on an idle fleet a rank can still take a second
+/// request sharing its prefix (with 8 ranks a third waits until the fleet's mean load rises),
+/// so light traffic keeps its affinity and the guard acts only on real imbalance.
+pub const DEFAULT_LOAD_BOUND_SLACK_REQUESTS: f64 = 2.0;
+/// Largest accepted `--load-bound-factor` (beyond it the guard can never act).
+pub const LOAD_BOUND_FACTOR_MAX: f64 = 1_000.0;
+/// Largest accepted `--load-bound-slack-requests`.
+pub const LOAD_BOUND_SLACK_REQUESTS_MAX: f64 = 1_000_000.0;
+
+/// Engine-reported queue depth of one rank (from the KV plane's LoadStat feed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct EngineLoad {
+    pub running: u64,
+    pub waiting: u64,
+}
+
+/// What a policy knows about one routable rank.
+#[derive(Debug, Clone, Copy)]
+pub struct RankInput {
+    /// Contiguous prefix blocks the rank holds or will hold: the index's match extended by the
+    /// rank's pending blocks (see `crate::routing::pending`); the cost model reads this.
+    pub matched_blocks: u32,
+    pub device_blocks: u32,
+    /// The part of `matched_blocks` that only pending entries vouch for (display and metrics).
+    pub pending_blocks: u32,
+    pub in_flight: i64,
+    pub queued_prefill_tokens: i64,
+    /// The rank's queued prefill by virtual time (`RankLoad::prefill_backlog_us`): caps the
+    /// token-based queue estimate, which ignores how long ago that work was sent.
+    /// `f64::INFINITY` = no cap.
+    pub prefill_backlog_us: f64,
+    pub engine: Option<EngineLoad>,
+}
+
+impl RankInput {
+    pub fn effective_in_flight(&self) -> f64 {
+        let router = self.in_flight.max(0) as f64;
+        match self.engine {
+            Some(e) => router.max((e.running + e.waiting) as f64),
+            None => router,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct RankScore {
+    pub uncached_tokens: f64,
+    pub cost_ms: f64,
+    pub probability: f64,
+    /// False when cache_aware's bounded-load guard set the rank aside for the first choice
+    /// (see [`within_load_bound`]); always true for the other policies.
+    pub within_load_bound: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Decision {
+    /// Indices into the candidate list, best first.
+    pub order: Vec<usize>,
+    pub reason: &'static str,
+    /// One per candidate (cost model for cache_aware; load-only cost for the others).
+    pub scores: Vec<RankScore>,
+}
+
+pub struct Policy {
+    pub kind: PolicyKind,
+    pub weights: CostWeights,
+    round_robin_next: AtomicU64,
+    rng: Mutex<StdRng>,
+}
+
+pub fn score(
+    input: &RankInput,
+    prompt_tokens: usize,
+    block_size: usize,
+    w: &CostWeights,
+) -> RankScore {
+    let bs = block_size as f64;
+    let device = input.device_blocks.min(input.matched_blocks) as f64 * bs;
+    let offloaded = (input.matched_blocks.saturating_sub(input.device_blocks)) as f64 * bs;
+    let uncached =
+        (prompt_tokens as f64 - device - offloaded * (1.0 - w.offloaded_block_cost_fraction))
+            .max(0.0);
+    let queued_us = (input.queued_prefill_tokens.max(0) as f64 * w.prefill_cost_us_per_token)
+        .min(input.prefill_backlog_us.max(0.0));
+    let cost_us = uncached * w.prefill_cost_us_per_token
+        + queued_us
+        + input.effective_in_flight() * w.decode_penalty_us_per_request;
+    RankScore {
+        uncached_tokens: uncached,
+        cost_ms: cost_us / 1000.0,
+        probability: 0.0,
+        within_load_bound: true,
+    }
+}
+
+impl Policy {
+    pub fn new(kind: PolicyKind, weights: CostWeights, seed: Option<u64>) -> Policy {
+        let rng = match seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        };
+        Policy {
+            kind,
+            weights,
+            round_robin_next: AtomicU64::new(0),
+            rng: Mutex::new(rng),
+        }
+    }
+
+    /// Orders `ranks` (all routable) for a prompt of `prompt_tokens` tokens. `ranks` must not be
+    /// empty.
+    pub fn decide(&self, ranks: &[RankInput], prompt_tokens: usize, block_size: usize) -> Decision {
+        let mut scores: Vec<RankScore> = ranks
+            .iter()
+            .map(|r| score(r, prompt_tokens, block_size, &self.weights))
+            .collect();
+        let n = ranks.len();
+        let mut rng = self.rng.lock();
+        let (order, reason) = match self.kind {
+            PolicyKind::CacheAware => {
+                for (s, w) in scores
+                    .iter_mut()
+                    .zip(within_load_bound(ranks, &self.weights))
+                {
+                    s.within_load_bound = w;
+                }
+                let first = self.pick_cache_aware(&mut scores, &mut rng);
+                let order = order_with_first(first, n, |i| scores[i].cost_ms);
+                let best_match = ranks.iter().map(|r| r.matched_blocks).max().unwrap_or(0);
+                let cheaper_set_aside = scores
+                    .iter()
+                    .any(|s| !s.within_load_bound && s.cost_ms < scores[first].cost_ms);
+                let reason = if prompt_tokens == 0 {
+                    "no_tokens"
+                } else if cheaper_set_aside && scores[first].within_load_bound {
+                    // A cheaper rank exists but the guard set it aside (when every rank is
+                    // over the bound the guard stepped aside and the choice is over it too).
+                    "load_bound"
+                } else if best_match == 0 {
+                    "cold"
+                } else if ranks[first].matched_blocks == best_match {
+                    // Only pending entries put the choice ahead: the prefix is still being
+                    // prefilled there.
+                    if ranks[first].pending_blocks > 0 {
+                        "pending_hit"
+                    } else {
+                        "cache_hit"
+                    }
+                } else {
+                    "load_over_cache"
+                };
+                (order, reason)
+            }
+            PolicyKind::RoundRobin => {
+                let start =
+                    (self.round_robin_next.fetch_add(1, Ordering::Relaxed) % n as u64) as usize;
+                ((0..n).map(|i| (start + i) % n).collect(), "round_robin")
+            }
+            PolicyKind::Random => {
+                let mut order: Vec<usize> = (0..n).collect();
+                order.shuffle(&mut *rng);
+                (order, "random")
+            }
+            PolicyKind::PowerOfTwo => {
+                let a = rng.random_range(0..n);
+                let b = if n > 1 {
+                    (a + 1 + rng.random_range(0..n - 1)) % n
+                } else {
+                    a
+                };
+                let load = |i: usize| {
+                    ranks[i].effective_in_flight() * 1e9 + ranks[i].queued_prefill_tokens as f64
+                };
+                let first = if load(b) < load(a) { b } else { a };
+                (order_with_first(first, n, load), "power_of_two")
+            }
+            PolicyKind::LeastLoad => {
+                let load = |i: usize| {
+                    ranks[i].effective_in_flight() * 1e9 + ranks[i].queued_prefill_tokens as f64
+                };
+                let min = (0..n).map(load).fold(f64::INFINITY, f64::min);
+                let ties: Vec<usize> = (0..n).filter(|&i| load(i) == min).collect();
+                let first = ties[rng.random_range(0..ties.len())];
+                (order_with_first(first, n, load), "least_load")
+            }
+        };
+        if self.kind != PolicyKind::CacheAware {
+            for (i, s) in scores.iter_mut().enumerate() {
+                s.probability = if i == order[0] { 1.0 } else { 0.0 };
+            }
+        }
+        Decision {
+            order,
+            reason,
+            scores,
+        }
+    }
+
+    /// Fills in probabilities and draws the first choice among the ranks within the load bound
+    /// (all of them when none is).
+    fn pick_cache_aware(&self, scores: &mut [RankScore], rng: &mut StdRng) -> usize {
+        let any_within = scores.iter().any(|s| s.within_load_bound);
+        let eligible = |s: &RankScore| !any_within || s.within_load_bound;
+        let min = scores
+            .iter()
+            .filter(|s| eligible(s))
+            .map(|s| s.cost_ms)
+            .fold(f64::INFINITY, f64::min);
+        let t = self.weights.temperature_ms;
+        if t <= 0.0 {
+            let ties: Vec<usize> = (0..scores.len())
+                .filter(|&i| eligible(&scores[i]) && scores[i].cost_ms <= min)
+                .collect();
+            for &i in &ties {
+                scores[i].probability = 1.0 / ties.len() as f64;
+            }
+            return ties[rng.random_range(0..ties.len())];
+        }
+        let mut total = 0.0;
+        for s in scores.iter_mut() {
+            s.probability = if eligible(s) {
+                (-(s.cost_ms - min) / t).exp()
+            } else {
+                0.0
+            };
+            total += s.probability;
+        }
+        for s in scores.iter_mut() {
+            s.probability /= total;
+        }
+        let mut x = rng.random::<f64>();
+        for (i, s) in scores.iter().enumerate() {
+            if x < s.probability {
+                return i;
+            }
+            x -= s.probability;
+        }
+        scores.len() - 1
+    }
+}
+
+/// Which ranks may be chosen first under the bounded-load guard: a rank is within the bound when
+/// its in-flight requests plus this one stay at or below `load_bound_factor` x the mean in-flight
+/// per rank (this request counted) plus `load_bound_slack_requests`. All true when the guard is
+/// off.
+///
+/// Why a guard on top of the cost model: the model's queue estimate is a prediction, and on an
+/// engine under cache pressure it errs in the direction that feeds itself: the prefix a rank
+/// holds at routing time is evicted by the work queued ahead before the request's turn comes, so
+/// the rank is slower than predicted exactly when it is most attractive. A conversation's
+/// growing history then ties it ever harder to that rank, and a popular tenant ends up on one
+/// rank (what both peers' cache_aware do to a mixed load). Bounding each rank's share of the
+/// in-flight work relative to the mean (consistent hashing with bounded loads, Mirrokni et al.)
+/// caps that failure whatever its cause, and leaves the cost model in charge everywhere else.
+pub fn within_load_bound(ranks: &[RankInput], w: &CostWeights) -> Vec<bool> {
+    if w.load_bound_factor <= 0.0 || ranks.len() < 2 {
+        return vec![true; ranks.len()];
+    }
+    let total: f64 = ranks.iter().map(RankInput::effective_in_flight).sum();
+    let mean_with_this = (total + 1.0) / ranks.len() as f64;
+    let bound = w.load_bound_factor * mean_with_this + w.load_bound_slack_requests.max(0.0);
+    ranks
+        .iter()
+        .map(|r| r.effective_in_flight() + 1.0 <= bound)
+        .collect()
+}
+
+/// `first`, then every other index by ascending `key`.
+fn order_with_first(first: usize, n: usize, key: impl Fn(usize) -> f64) -> Vec<usize> {
+    let mut rest: Vec<usize> = (0..n).filter(|&i| i != first).collect();
+    rest.sort_by(|&a, &b| key(a).total_cmp(&key(b)));
+    let mut order = Vec::with_capacity(n);
+    order.push(first);
+    order.extend(rest);
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn idle(matched: u32) -> RankInput {
+        RankInput {
+            matched_blocks: matched,
+            device_blocks: matched,
+            pending_blocks: 0,
+            in_flight: 0,
+            queued_prefill_tokens: 0,
+            prefill_backlog_us: f64::INFINITY,
+            engine: None,
+        }
+    }
+
+    fn policy(kind: PolicyKind) -> Policy {
+        Policy::new(kind, CostWeights::default(), Some(1))
+    }
+
+    fn loaded(matched: u32, in_flight: i64) -> RankInput {
+        RankInput {
+            in_flight,
+            ..idle(matched)
+        }
+    }
+
+    fn guarded(factor: f64, slack: f64) -> Policy {
+        let weights = CostWeights {
+            load_bound_factor: factor,
+            load_bound_slack_requests: slack,
+            ..CostWeights::default()
+        };
+        Policy::new(PolicyKind::CacheAware, weights, Some(1))
+    }
+
+    #[test]
+    fn the_load_bound_sends_work_away_from_a_cached_rank_past_its_share() {
+        // A 4,096-token prompt fully cached on rank 0, which carries 10 requests: by the cost
+        // model alone (10 x 2 ms against 4,096 x 50 us of prefill) rank 0 still wins.
+        let ranks = [loaded(256, 10), idle(0), idle(0), idle(0)];
+        let unguarded = guarded(0.0, 0.0).decide(&ranks, 4096, 16);
+        assert_eq!(unguarded.order[0], 0);
+        assert_eq!(unguarded.reason, "cache_hit");
+        // Mean with this request 11/4; bound 2 x 2.75 + 2 = 7.5 < 11: rank 0 is out.
+        assert_eq!(
+            within_load_bound(&ranks, &guarded(2.0, 2.0).weights),
+            vec![false, true, true, true]
+        );
+        let d = guarded(2.0, 2.0).decide(&ranks, 4096, 16);
+        assert_ne!(d.order[0], 0, "scores {:?}", d.scores);
+        assert_eq!(d.reason, "load_bound");
+        assert_eq!(d.scores[0].probability, 0.0);
+        assert!(!d.scores[0].within_load_bound && d.scores[1].within_load_bound);
+        assert!(
+            d.order.contains(&0),
+            "the bounded rank stays a retry target"
+        );
+    }
+
+    #[test]
+    fn at_low_load_the_bound_leaves_affinity_alone() {
+        // Rank 0 holds the prefix and carries 2 requests: mean with this one 3/4, bound
+        // 2 x 0.75 + 2 = 3.5 >= 3, so requests sharing a prefix still land together.
+        let ranks = [loaded(8, 2), idle(0), idle(0), idle(0)];
+        assert!(within_load_bound(&ranks, &guarded(2.0, 2.0).weights)[0]);
+        let d = guarded(2.0, 2.0).decide(&ranks, 128, 16);
+        assert_eq!(d.order[0], 0);
+        assert_eq!(d.reason, "cache_hit");
+        // On an idle fleet of 8 a rank takes a second request (bound 2 x 2/8 + 2 = 2.5 >= 2) but
+        // not a third (2 x 3/8 + 2 = 2.75 < 3), as the slack's documentation says.
+        let mut eight = vec![idle(0); 8];
+        eight[0] = loaded(8, 1);
+        assert!(within_load_bound(&eight, &guarded(2.0, 2.0).weights)[0]);
+        eight[0] = loaded(8, 2);
+        assert!(!within_load_bound(&eight, &guarded(2.0, 2.0).weights)[0]);
+    }
+
+    #[test]
+    fn when_no_rank_is_within_the_bound_the_cost_model_decides_alone() {
+        // A factor below 1 with no slack can put every rank over the bound; the guard then
+        // steps aside instead of refusing to route.
+        let ranks = [loaded(8, 5), loaded(0, 5)];
+        assert_eq!(
+            within_load_bound(&ranks, &guarded(0.5, 0.0).weights),
+            vec![false, false]
+        );
+        let d = guarded(0.5, 0.0).decide(&ranks, 128, 16);
+        assert_eq!(d.order[0], 0);
+        assert_eq!(d.reason, "cache_hit");
+        // A single rank is always within its own bound.
+        assert_eq!(
+            within_load_bound(&[loaded(0, 50)], &guarded(2.0, 0.0).weights),
+            vec![true]
+        );
+    }
+
+    #[test]
+    fn cache_aware_prefers_the_rank_holding_the_prefix_when_loads_are_equal() {
+        let d = policy(PolicyKind::CacheAware).decide(&[idle(0), idle(6), idle(2)], 128, 16);
+        assert_eq!(d.order, vec![1, 2, 0]);
+        assert_eq!(d.reason, "cache_hit");
+        assert!(d.scores[1].cost_ms < d.scores[2].cost_ms);
+    }
+
+    #[test]
+    fn a_choice_won_by_pending_blocks_is_reported_as_a_pending_hit() {
+        let mut pending = idle(6);
+        pending.pending_blocks = 4;
+        let d = policy(PolicyKind::CacheAware).decide(&[idle(2), pending], 128, 16);
+        assert_eq!(d.order[0], 1);
+        assert_eq!(d.reason, "pending_hit");
+    }
+
+    #[test]
+    fn cache_aware_leaves_a_cached_rank_that_is_overloaded() {
+        let mut busy = idle(8);
+        busy.in_flight = 50;
+        let d = policy(PolicyKind::CacheAware).decide(&[busy, idle(0)], 128, 16);
+        assert_eq!(d.order[0], 1);
+        assert_eq!(d.reason, "load_over_cache");
+    }
+
+    #[test]
+    fn engine_reported_load_counts_when_it_exceeds_the_routers_own() {
+        let mut a = idle(0);
+        a.engine = Some(EngineLoad {
+            running: 10,
+            waiting: 5,
+        });
+        assert_eq!(a.effective_in_flight(), 15.0);
+        let d = policy(PolicyKind::CacheAware).decide(&[a, idle(0)], 64, 16);
+        assert_eq!(d.order[0], 1);
+    }
+
+    #[test]
+    fn queued_prefill_is_charged_only_as_long_as_its_virtual_backlog() {
+        let w = CostWeights::default();
+        let queued = RankInput {
+            queued_prefill_tokens: 1_000,
+            ..idle(0)
+        };
+        let full = score(&queued, 64, 16, &w).cost_ms;
+        let decayed = score(
+            &RankInput {
+                prefill_backlog_us: 5_000.0,
+                ..queued
+            },
+            64,
+            16,
+            &w,
+        )
+        .cost_ms;
+        let drained = score(
+            &RankInput {
+                prefill_backlog_us: 0.0,
+                ..queued
+            },
+            64,
+            16,
+            &w,
+        )
+        .cost_ms;
+        let cold = score(&idle(0), 64, 16, &w).cost_ms;
+        assert!(
+            (full - cold - 1_000.0 * w.prefill_cost_us_per_token / 1000.0).abs() < 1e-9,
+            "no backlog cap: the whole token estimate counts ({full} vs {cold})"
+        );
+        assert!(
+            (decayed - cold - 5.0).abs() < 1e-9,
+            "the backlog caps the queue at 5 ms ({decayed} vs {cold})"
+        );
+        assert!(
+            (drained - cold).abs() < 1e-9,
+            "a drained backlog charges nothing"
+        );
+    }
+
+    #[test]
+    fn offloaded_blocks_are_worth_less_than_device_blocks() {
+        let w = CostWeights::default();
+        let device = score(&idle(4), 64, 16, &w);
+        let offloaded = score(
+            &RankInput {
+                device_blocks: 0,
+                ..idle(4)
+            },
+            64,
+            16,
+            &w,
+        );
+        let cold = score(&idle(0), 64, 16, &w);
+        assert!(device.cost_ms < offloaded.cost_ms && offloaded.cost_ms < cold.cost_ms);
+    }
+
+    #[test]
+    fn positive_temperature_spreads_choices_and_zero_temperature_does_not() {
+        let ranks = [idle(1), idle(0)];
+        let mut w = CostWeights {
+            temperature_ms: 1000.0,
+            ..CostWeights::default()
+        };
+        let hot = Policy::new(PolicyKind::CacheAware, w, Some(3));
+        let picks: std::collections::HashSet<usize> = (0..200)
+            .map(|_| hot.decide(&ranks, 32, 16).order[0])
+            .collect();
+        assert_eq!(
+            picks.len(),
+            2,
+            "a huge temperature must sometimes pick the costlier rank"
+        );
+        w.temperature_ms = 0.0;
+        let cold = Policy::new(PolicyKind::CacheAware, w, Some(3));
+        assert!((0..200).all(|_| cold.decide(&ranks, 32, 16).order[0] == 0));
+    }
+
+    #[test]
+    fn round_robin_cycles_through_every_rank() {
+        let p = policy(PolicyKind::RoundRobin);
+        let firsts: Vec<usize> = (0..6)
+            .map(|_| p.decide(&[idle(0); 3], 0, 16).order[0])
+            .collect();
+        assert_eq!(firsts, vec![0, 1, 2, 0, 1, 2]);
+    }
+
+    #[test]
+    fn least_load_and_power_of_two_avoid_the_loaded_rank() {
+        let mut busy = idle(0);
+        busy.in_flight = 3;
+        let d = policy(PolicyKind::LeastLoad).decide(&[busy, idle(0)], 0, 16);
+        assert_eq!(d.order, vec![1, 0]);
+        let p = policy(PolicyKind::PowerOfTwo);
+        // With two ranks both are always sampled, so the idle one must win every time.
+        assert!((0..50).all(|_| p.decide(&[busy, idle(0)], 0, 16).order[0] == 1));
+    }
+
+    #[test]
+    fn every_order_is_a_permutation_of_the_candidates() {
+        for kind in PolicyKind::ALL {
+            let p = policy(kind);
+            let d = p.decide(&[idle(0), idle(1), idle(2), idle(3)], 64, 16);
+            let mut o = d.order.clone();
+            o.sort();
+            assert_eq!(o, vec![0, 1, 2, 3], "{kind:?}");
+        }
+    }
+}

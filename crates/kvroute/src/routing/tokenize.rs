@@ -1,0 +1,888 @@
+//! Local tokenization: text and chat requests become the token ids the router hashes.
+//!
+//! Routing must hash exactly what the engine will cache, so the router tokenizes with the model's
+//! own `tokenizer.json` and renders chat messages with the model's `chat_template` (minijinja),
+//! then forwards token ids where the engine API accepts them.
+//!
+//! Chat caching, and why it is exact. A chat request is rendered as a sequence of SEGMENTS: the
+//! text that message `k` adds is `render(messages[..=k])` minus its prefix
+//! `render(messages[..k])`, and the generation prompt is `render(all, add_generation_prompt)`
+//! minus `render(all)`. Each segment is tokenized on its own and looked up in a bounded cache by
+//! (hash, length) of its text, so a shared system prompt or the earlier turns of a conversation
+//! are tokenized once. Concatenating per-segment tokens equals tokenizing the whole rendering only
+//! when no token spans a segment boundary; chat templates put special tokens (which the
+//! pre-tokenizer always splits at) on those boundaries, so this holds for ordinary templates. It
+//! is not assumed: the first [`VERIFY_FIRST_CHATS`] chats of a model, and one in
+//! [`VERIFY_EVERY_NTH_CHAT`] after that, are also tokenized whole and compared; one mismatch
+//! switches that model to whole-text tokenization for good. The first ones are checked before
+//! they are used; the periodic ones (at most one per [`VERIFY_INTERVAL_MIN_MS`]) on the blocking
+//! pool, off the request's thread (a whole tokenization costs milliseconds and would stall every
+//! request queued behind it). If a template's rendering of a prefix
+//! is not a prefix of the longer rendering (templates that look at the last message), that request
+//! is tokenized whole.
+//!
+//! Rendering every prefix is itself quadratic in the conversation's length, so what a prefix
+//! rendered is remembered too, keyed by a chained hash of its messages (`PrefixRender`): a
+//! conversation's next turn renders only the messages it adds (and the generation prompt), and a
+//! repeated request renders nothing. A remembered prefix is only used after checking, by length
+//! and hash, that the new rendering starts with it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use serde_json::Value;
+
+/// Chats verified whole-vs-segmented after a model's tokenizer loads.
+pub const VERIFY_FIRST_CHATS: u64 = 32;
+/// After the first ones, one chat in this many is verified.
+pub const VERIFY_EVERY_NTH_CHAT: u64 = 256;
+/// ... and at most one per this long, so the checks' CPU stays bounded at any request rate.
+pub const VERIFY_INTERVAL_MIN_MS: u64 = 1_000;
+/// Segments longer than this are tokenized but not cached (one huge document must not evict
+/// every shared system prompt).
+pub const CACHED_SEGMENT_MAX_TOKENS: usize = 32_768;
+/// Upper bound on tokens held by one model's segment cache (4 bytes each).
+pub const SEGMENT_CACHE_TOKENS_MAX: usize = 16 * 1024 * 1024;
+/// Messages accepted in one chat request.
+pub const CHAT_MESSAGES_MAX: usize = 4_096;
+/// Segmented tokenization renders every message prefix, so its cost is about
+/// `messages x conversation bytes`; above this budget the chat is tokenized whole (linear), so a
+/// long conversation cannot make the router do quadratic work.
+pub const SEGMENTED_RENDER_BUDGET_BYTES: usize = 32 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizeError {
+    #[error("cannot load tokenizer from {path}: {reason}")]
+    Load { path: PathBuf, reason: String },
+    #[error("tokenization failed: {0}")]
+    Encode(String),
+    #[error("model has no chat template")]
+    NoChatTemplate,
+    #[error("chat template failed: {0}")]
+    Template(String),
+    #[error("invalid messages: {0}")]
+    BadMessages(String),
+}
+
+/// Where a chat's tokens came from; reported in metrics and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatTokenization {
+    /// Every segment was tokenized now or taken from the cache.
+    Segmented {
+        cached_segments: usize,
+        fresh_segments: usize,
+    },
+    /// The whole rendering was tokenized (template not prefix-stable, or model fell back).
+    Whole,
+}
+
+/// What a cache entry costs against the token budget.
+trait TokenCost {
+    fn token_cost(&self) -> usize;
+}
+
+impl TokenCost for Arc<[u32]> {
+    fn token_cost(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A bounded approximate-LRU map. Two generations: lookups hit `current` or promote from
+/// `previous`; when `current` fills up (entries or tokens) it becomes `previous` and the old
+/// `previous` is dropped. That bounds memory by entries and by tokens without per-entry
+/// bookkeeping. Used for segment text (xxh3 hash + length) -> token ids, and for conversation
+/// prefixes (see `PrefixRender`).
+struct SegmentCache<K, V> {
+    current: HashMap<K, V>,
+    previous: HashMap<K, V>,
+    current_tokens: usize,
+    entries_max: usize,
+}
+
+impl<K: std::hash::Hash + Eq + Copy, V: TokenCost + Clone> SegmentCache<K, V> {
+    fn new(entries_max: usize) -> Self {
+        SegmentCache {
+            current: HashMap::new(),
+            previous: HashMap::new(),
+            current_tokens: 0,
+            entries_max: entries_max.max(2),
+        }
+    }
+
+    fn get(&mut self, key: K) -> Option<V> {
+        if let Some(v) = self.current.get(&key) {
+            return Some(v.clone());
+        }
+        let v = self.previous.remove(&key)?;
+        self.insert(key, v.clone());
+        Some(v)
+    }
+
+    fn insert(&mut self, key: K, value: V) {
+        let cost = value.token_cost();
+        if cost > CACHED_SEGMENT_MAX_TOKENS {
+            return;
+        }
+        if self.current.len() >= self.entries_max / 2
+            || self.current_tokens + cost > SEGMENT_CACHE_TOKENS_MAX / 2
+        {
+            self.previous = std::mem::take(&mut self.current);
+            self.current_tokens = 0;
+        }
+        self.current_tokens += cost;
+        self.current.insert(key, value);
+    }
+
+    fn len(&self) -> usize {
+        self.current.len() + self.previous.len()
+    }
+}
+
+/// Segment text (xxh3 hash, byte length) -> its token ids.
+type SegmentTokens = SegmentCache<(u64, usize), Arc<[u32]>>;
+
+/// What rendering a conversation prefix `messages[..=k]` produced, keyed by a chained hash of
+/// those messages: the rendering's length and hash (to check that a longer rendering really
+/// starts with it) and the tokens of the segment message `k` added. With it, a multi-turn request
+/// renders only the messages added since the conversation's previous turn (and the generation
+/// prompt), not every prefix again: rendering every prefix was the bulk of a cached chat's cost
+/// (minijinja evaluation and string copies, quadratic in the conversation's length).
+#[derive(Clone)]
+struct PrefixRender {
+    rendered_len: usize,
+    rendered_hash: u64,
+    segment: Arc<[u32]>,
+}
+
+impl TokenCost for PrefixRender {
+    fn token_cost(&self) -> usize {
+        self.segment.len()
+    }
+}
+
+/// Chained key of a conversation prefix: message `k`'s canonical JSON hashed with the key of
+/// `messages[..k]` as seed. The generation prompt gets its own step with a fixed marker.
+fn prefix_key(parent: u64, message_json: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(message_json, parent)
+}
+const PREFIX_KEY_ROOT: u64 = 0x6368_6174_7072_6566; // "chatpref"
+const GENERATION_PROMPT_MARK: &[u8] = b"\x00add_generation_prompt";
+
+/// One model's tokenizer, chat template and segment cache.
+pub struct ModelTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    template: Option<minijinja::Environment<'static>>,
+    bos_token: String,
+    eos_token: String,
+    cache: Mutex<SegmentTokens>,
+    prefixes: Mutex<SegmentCache<u64, PrefixRender>>,
+    /// Template renderings done, for tests and the benchmark's accounting.
+    renders: AtomicU64,
+    chats_seen: AtomicU64,
+    segmented_disabled: AtomicBool,
+    /// Set while a periodic verification runs in the background (at most one per model).
+    verifying: AtomicBool,
+    /// Periodic verifications completed, for tests.
+    verifications_done: AtomicU64,
+    /// When the last periodic verification started, in ms since `created` (`u64::MAX`: never).
+    last_verify_ms: AtomicU64,
+    created: std::time::Instant,
+    pub path: PathBuf,
+}
+
+fn special_token_text(v: Option<&Value>) -> String {
+    match v {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Object(o)) => o
+            .get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string(),
+        _ => String::new(),
+    }
+}
+
+impl ModelTokenizer {
+    /// Loads `tokenizer.json` (the path may be the file or its directory) and, when present, the
+    /// `chat_template` from the sibling `tokenizer_config.json`.
+    pub fn load(path: &Path, cache_entries_max: usize) -> Result<ModelTokenizer, TokenizeError> {
+        let file = if path.is_dir() {
+            path.join("tokenizer.json")
+        } else {
+            path.to_path_buf()
+        };
+        let load_err = |reason: String| TokenizeError::Load {
+            path: file.clone(),
+            reason,
+        };
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(&file).map_err(|e| load_err(e.to_string()))?;
+        let config_path = file
+            .parent()
+            .map(|d| d.join("tokenizer_config.json"))
+            .unwrap_or_else(|| PathBuf::from("tokenizer_config.json"));
+        let config: Value = match std::fs::read_to_string(&config_path) {
+            Ok(s) => serde_json::from_str(&s)
+                .map_err(|e| load_err(format!("tokenizer_config.json: {e}")))?,
+            Err(_) => Value::Null,
+        };
+        let template_src = match config.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            // HF also allows a list of named templates; the one named "default" is the chat one.
+            Some(Value::Array(items)) => items
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .or_else(|| items.first())
+                .and_then(|t| t.get("template"))
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            _ => None,
+        };
+        let template = match template_src {
+            Some(src) => {
+                let mut env = minijinja::Environment::new();
+                env.add_function(
+                    "raise_exception",
+                    |msg: String| -> Result<String, minijinja::Error> {
+                        Err(minijinja::Error::new(
+                            minijinja::ErrorKind::InvalidOperation,
+                            msg,
+                        ))
+                    },
+                );
+                env.add_template_owned("chat", src)
+                    .map_err(|e| load_err(format!("chat_template: {e}")))?;
+                Some(env)
+            }
+            None => None,
+        };
+        Ok(ModelTokenizer {
+            tokenizer,
+            template,
+            bos_token: special_token_text(config.get("bos_token")),
+            eos_token: special_token_text(config.get("eos_token")),
+            cache: Mutex::new(SegmentCache::new(cache_entries_max)),
+            prefixes: Mutex::new(SegmentCache::new(cache_entries_max)),
+            renders: AtomicU64::new(0),
+            chats_seen: AtomicU64::new(0),
+            segmented_disabled: AtomicBool::new(false),
+            verifying: AtomicBool::new(false),
+            verifications_done: AtomicU64::new(0),
+            last_verify_ms: AtomicU64::new(u64::MAX),
+            created: std::time::Instant::now(),
+            path: file,
+        })
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Tokenizes a completion prompt the way engines do (special tokens such as BOS added).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        self.encode(text, true)
+    }
+
+    fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer
+            .encode(text, add_special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+
+    /// Renders messages with the chat template. `messages` must be a JSON array of objects.
+    pub fn render(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizeError> {
+        let env = self
+            .template
+            .as_ref()
+            .ok_or(TokenizeError::NoChatTemplate)?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        self.renders.fetch_add(1, Ordering::Relaxed);
+        tmpl.render(minijinja::context! {
+            messages => minijinja::Value::from_serialize(messages),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+        })
+        .map_err(|e| TokenizeError::Template(e.to_string()))
+    }
+
+    /// Chat template renderings done so far by this model's tokenizer.
+    pub fn renders_total(&self) -> u64 {
+        self.renders.load(Ordering::Relaxed)
+    }
+
+    /// Tokenizes the whole rendering at once (the reference the segmented path must equal).
+    pub fn encode_chat_whole(&self, messages: &[Value]) -> Result<Vec<u32>, TokenizeError> {
+        let text = self.render(messages, true)?;
+        // The template already wrote BOS and role markers, so the tokenizer must not add more.
+        self.encode(&text, false)
+    }
+
+    /// Tokenizes a chat with the per-segment cache (see the module doc for why it is exact).
+    pub fn encode_chat(
+        self: &Arc<Self>,
+        messages: &[Value],
+    ) -> Result<(Vec<u32>, ChatTokenization), TokenizeError> {
+        validate_messages(messages)?;
+        let conversation_bytes: usize = messages
+            .iter()
+            .map(|m| m.get("content").and_then(Value::as_str).map_or(0, str::len) + 16)
+            .sum();
+        if self.segmented_disabled.load(Ordering::Relaxed)
+            || messages.len().saturating_mul(conversation_bytes) > SEGMENTED_RENDER_BUDGET_BYTES
+        {
+            return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
+        }
+        let Some((tokens, how)) = self.encode_chat_segmented(messages)? else {
+            return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
+        };
+        let n = self.chats_seen.fetch_add(1, Ordering::Relaxed);
+        if n < VERIFY_FIRST_CHATS {
+            // The first chats are checked before they are used, so a template that breaks the
+            // segment assumption is caught before it steers more than a handful of requests.
+            if !self.agrees_with_whole(messages, &tokens)? {
+                return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
+            }
+        } else if n.is_multiple_of(VERIFY_EVERY_NTH_CHAT) && self.verification_due() {
+            self.verify_aside(messages, &tokens);
+        }
+        Ok((tokens, how))
+    }
+
+    /// True when `segmented` equals the whole-text tokenization; on a mismatch the segment cache
+    /// is disabled for this model.
+    fn agrees_with_whole(
+        &self,
+        messages: &[Value],
+        segmented: &[u32],
+    ) -> Result<bool, TokenizeError> {
+        let whole = self.encode_chat_whole(messages)?;
+        if whole != segmented {
+            tracing::warn!(
+                tokenizer = %self.path.display(),
+                "segmented chat tokenization differs from whole-text tokenization; \
+                 disabling the segment cache for this model"
+            );
+            self.segmented_disabled.store(true, Ordering::Relaxed);
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// True (and the interval restarted) when no periodic check started in the last
+    /// [`VERIFY_INTERVAL_MIN_MS`].
+    fn verification_due(&self) -> bool {
+        let now_ms = self.created.elapsed().as_millis() as u64;
+        let last = self.last_verify_ms.load(Ordering::Relaxed);
+        if last != u64::MAX && now_ms.saturating_sub(last) < VERIFY_INTERVAL_MIN_MS {
+            return false;
+        }
+        // One caller wins the slot; a racing one skips this sample.
+        self.last_verify_ms
+            .compare_exchange(last, now_ms, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// The periodic check, run on the blocking pool instead of the request's thread.
+    ///
+    /// Why: tokenizing a long chat whole costs milliseconds, and done inline on a data-plane
+    /// thread it delays this request and every request queued behind it on that thread (the
+    /// chat row's tail in docs/BENCHMARKS.md shows it). This
+    /// request routes on its segmented tokens either way (a chat's token ids only steer routing;
+    /// its body is forwarded as the client sent it), so the check can run aside; a mismatch
+    /// disables the cache for the requests after it. At most one check runs per model; a
+    /// sample that comes while one runs is skipped. Outside a tokio runtime it runs inline.
+    fn verify_aside(self: &Arc<Self>, messages: &[Value], segmented: &[u32]) {
+        if self.verifying.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let check = {
+            let me = self.clone();
+            let (messages, segmented) = (messages.to_vec(), segmented.to_vec());
+            move || {
+                if let Err(e) = me.agrees_with_whole(&messages, &segmented) {
+                    tracing::debug!(error = %e, "periodic chat tokenization check failed to run");
+                }
+                me.verifications_done.fetch_add(1, Ordering::Relaxed);
+                me.verifying.store(false, Ordering::Release);
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn_blocking(check);
+            }
+            Err(_) => check(),
+        }
+    }
+
+    /// Periodic (background) verifications completed so far.
+    pub fn verifications_done(&self) -> u64 {
+        self.verifications_done.load(Ordering::Relaxed)
+    }
+
+    /// `None` when the template is not prefix-stable for these messages.
+    fn encode_chat_segmented(
+        &self,
+        messages: &[Value],
+    ) -> Result<Option<(Vec<u32>, ChatTokenization)>, TokenizeError> {
+        // Step k < n is the prefix messages[..=k]; step n is the generation prompt.
+        let mut keys = Vec::with_capacity(messages.len() + 1);
+        let mut key = PREFIX_KEY_ROOT;
+        for m in messages {
+            let json =
+                serde_json::to_vec(m).map_err(|e| TokenizeError::BadMessages(e.to_string()))?;
+            key = prefix_key(key, &json);
+            keys.push(key);
+        }
+        keys.push(prefix_key(key, GENERATION_PROMPT_MARK));
+        let mut out = Vec::new();
+        let (mut cached, mut fresh) = (0usize, 0usize);
+        // The longest run of steps already known: their segments come straight from the cache.
+        let mut prev_len = 0usize;
+        let mut prev_hash = xxhash_rust::xxh3::xxh3_64(b"");
+        let mut first = 0usize;
+        {
+            let mut prefixes = self.prefixes.lock();
+            while let Some(known) = keys.get(first).and_then(|&k| prefixes.get(k)) {
+                out.extend_from_slice(&known.segment);
+                cached += 1;
+                prev_len = known.rendered_len;
+                prev_hash = known.rendered_hash;
+                first += 1;
+            }
+        }
+        for (k, &step_key) in keys.iter().enumerate().skip(first) {
+            let rendered = if k < messages.len() {
+                self.render(&messages[..=k], false)?
+            } else {
+                self.render(messages, true)?
+            };
+            // Prefix-stable means this rendering starts with the previous one (checked by
+            // length and hash, since the previous one may come from the cache).
+            let Some(segment) = rendered.get(prev_len..) else {
+                return Ok(None);
+            };
+            if xxhash_rust::xxh3::xxh3_64(&rendered.as_bytes()[..prev_len]) != prev_hash {
+                return Ok(None);
+            }
+            let tokens: Arc<[u32]> = if segment.is_empty() {
+                Arc::from(Vec::new())
+            } else {
+                let seg_key = (
+                    xxhash_rust::xxh3::xxh3_64(segment.as_bytes()),
+                    segment.len(),
+                );
+                let hit = self.cache.lock().get(seg_key);
+                match hit {
+                    Some(t) => {
+                        cached += 1;
+                        t
+                    }
+                    None => {
+                        fresh += 1;
+                        let t: Arc<[u32]> = self.encode(segment, false)?.into();
+                        self.cache.lock().insert(seg_key, t.clone());
+                        t
+                    }
+                }
+            };
+            out.extend_from_slice(&tokens);
+            prev_len = rendered.len();
+            prev_hash = xxhash_rust::xxh3::xxh3_64(rendered.as_bytes());
+            self.prefixes.lock().insert(
+                step_key,
+                PrefixRender {
+                    rendered_len: prev_len,
+                    rendered_hash: prev_hash,
+                    segment: tokens,
+                },
+            );
+        }
+        Ok(Some((
+            out,
+            ChatTokenization::Segmented {
+                cached_segments: cached,
+                fresh_segments: fresh,
+            },
+        )))
+    }
+
+    pub fn cached_segments(&self) -> usize {
+        self.cache.lock().len()
+    }
+
+    pub fn segmented_enabled(&self) -> bool {
+        !self.segmented_disabled.load(Ordering::Relaxed)
+    }
+}
+
+fn validate_messages(messages: &[Value]) -> Result<(), TokenizeError> {
+    if messages.is_empty() {
+        return Err(TokenizeError::BadMessages(
+            "messages must not be empty".into(),
+        ));
+    }
+    if messages.len() > CHAT_MESSAGES_MAX {
+        return Err(TokenizeError::BadMessages(format!(
+            "at most {CHAT_MESSAGES_MAX} messages are accepted"
+        )));
+    }
+    for (i, m) in messages.iter().enumerate() {
+        if m.get("role").and_then(Value::as_str).is_none() {
+            return Err(TokenizeError::BadMessages(format!(
+                "messages[{i}].role must be a string"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Turns OpenAI content parts (`[{"type":"text","text":..}]`) into the plain string templates
+/// expect, leaving other fields alone.
+pub fn normalize_messages(messages: &[Value]) -> Vec<Value> {
+    messages
+        .iter()
+        .map(|m| {
+            let mut m = m.clone();
+            if let Some(Value::Array(parts)) = m.get("content") {
+                let text: String = parts
+                    .iter()
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join("");
+                m["content"] = Value::String(text);
+            }
+            m
+        })
+        .collect()
+}
+
+/// Tokenizers by file path, so models sharing one tokenizer share its cache.
+#[derive(Default)]
+pub struct TokenizerSet {
+    loaded: Mutex<HashMap<PathBuf, Arc<ModelTokenizer>>>,
+}
+
+impl TokenizerSet {
+    pub fn get_or_load(
+        &self,
+        path: &Path,
+        cache_entries_max: usize,
+    ) -> Result<Arc<ModelTokenizer>, TokenizeError> {
+        if let Some(t) = self.loaded.lock().get(path) {
+            return Ok(t.clone());
+        }
+        let t = Arc::new(ModelTokenizer::load(path, cache_entries_max)?);
+        Ok(self
+            .loaded
+            .lock()
+            .entry(path.to_path_buf())
+            .or_insert(t)
+            .clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_cache_stays_bounded_and_keeps_recent_entries() {
+        let mut c: SegmentTokens = SegmentCache::new(8);
+        for i in 0..100u64 {
+            c.insert((i, 1), vec![i as u32].into());
+            assert!(c.len() <= 8, "cache grew to {}", c.len());
+        }
+        assert!(c.get((99, 1)).is_some(), "most recent entry must survive");
+        assert!(
+            c.get((0, 1)).is_none(),
+            "oldest entry must have been evicted"
+        );
+    }
+
+    #[test]
+    fn a_promoted_entry_survives_the_next_generation_swap() {
+        let mut c: SegmentTokens = SegmentCache::new(4);
+        c.insert((1, 1), vec![1].into());
+        c.insert((2, 1), vec![2].into()); // swap: {1} becomes previous
+        assert!(c.get((1, 1)).is_some()); // promoted back into current
+        c.insert((3, 1), vec![3].into());
+        assert!(c.get((1, 1)).is_some());
+    }
+
+    #[test]
+    fn oversized_segments_are_not_cached() {
+        let mut c: SegmentTokens = SegmentCache::new(8);
+        c.insert((1, 1), vec![0u32; CACHED_SEGMENT_MAX_TOKENS + 1].into());
+        assert!(c.get((1, 1)).is_none());
+    }
+
+    #[test]
+    fn messages_without_a_role_are_rejected() {
+        let bad = vec![serde_json::json!({"content": "x"})];
+        assert!(matches!(
+            validate_messages(&bad),
+            Err(TokenizeError::BadMessages(_))
+        ));
+        assert!(matches!(
+            validate_messages(&[]),
+            Err(TokenizeError::BadMessages(_))
+        ));
+    }
+
+    #[test]
+    fn content_parts_become_plain_text() {
+        let m = normalize_messages(&[serde_json::json!({"role":"user","content":[
+            {"type":"text","text":"a"},{"type":"text","text":"b"}]})]);
+        assert_eq!(m[0]["content"], "ab");
+    }
+}
+
+#[cfg(test)]
+mod real_tokenizer_tests {
+    //! Against the repository's shipped tokenizer and ChatML template (the one the simulated
+    //! engines use), so the equivalence is proven on a real BPE, not a toy.
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use serde_json::json;
+
+    fn shipped() -> Arc<ModelTokenizer> {
+        let path =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
+        Arc::new(ModelTokenizer::load(&path, 1024).expect("shipped tokenizer loads"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn sampled_chats_are_checked_on_the_blocking_pool_at_most_once_per_interval() {
+        let tok = shipped();
+        let messages = vec![
+            json!({"role": "system", "content": "Be brief. ".repeat(10)}),
+            json!({"role": "user", "content": "hello there"}),
+        ];
+        // Chats 0..32 are checked inline; chat number VERIFY_EVERY_NTH_CHAT is the first
+        // sampled one after them, and its check is handed to the blocking pool.
+        for _ in 0..=VERIFY_EVERY_NTH_CHAT {
+            tok.encode_chat(&messages).unwrap();
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while tok.verifications_done() < 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "waited 10 s for the background check; done = {}",
+                tok.verifications_done()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert_eq!(tok.verifications_done(), 1, "exactly one sampled chat");
+        assert!(tok.segmented_enabled(), "ChatML passes the check");
+        // The next sampled chat comes well within VERIFY_INTERVAL_MIN_MS: it is not checked.
+        // Whether a check starts is decided inside `encode_chat`, so right after the calls
+        // return a started one would show as in flight or done.
+        for _ in 0..VERIFY_EVERY_NTH_CHAT {
+            tok.encode_chat(&messages).unwrap();
+        }
+        assert!(
+            !tok.verifying.load(Ordering::Acquire) && tok.verifications_done() == 1,
+            "a second check started within the interval (done = {})",
+            tok.verifications_done()
+        );
+    }
+
+    const WORDS: &[&str] = &[
+        "the",
+        "router",
+        " cache",
+        "prefix",
+        "token",
+        "\n",
+        "  ",
+        "GPU",
+        "émigré",
+        "日本語",
+        "<|im_end|>",
+        "123",
+        "!",
+        "?",
+        "don't",
+        " hello",
+        "world\n\n",
+        "{json}",
+        "tab\t",
+    ];
+
+    fn random_text(rng: &mut StdRng) -> String {
+        let n = rng.random_range(0..30);
+        (0..n)
+            .map(|_| WORDS[rng.random_range(0..WORDS.len())])
+            .collect::<Vec<_>>()
+            .join(if rng.random_bool(0.5) { " " } else { "" })
+    }
+
+    #[test]
+    fn segmented_chat_tokens_equal_tokenizing_the_whole_rendering() {
+        let tok = shipped();
+        let mut rng = StdRng::seed_from_u64(42);
+        for case in 0..300 {
+            let n = rng.random_range(1..8);
+            let messages: Vec<Value> = (0..n)
+                .map(|i| {
+                    let role = if i == 0 && rng.random_bool(0.5) {
+                        "system"
+                    } else if i % 2 == 1 {
+                        "user"
+                    } else {
+                        "assistant"
+                    };
+                    json!({"role": role, "content": random_text(&mut rng)})
+                })
+                .collect();
+            let whole = tok.encode_chat_whole(&messages).unwrap();
+            let (segmented, _) = tok
+                .encode_chat_segmented(&messages)
+                .unwrap()
+                .expect("ChatML is prefix-stable");
+            assert_eq!(segmented, whole, "case {case}: {messages:?}");
+        }
+        assert!(tok.segmented_enabled());
+    }
+
+    #[test]
+    fn a_later_turn_reuses_the_cached_segments_of_earlier_turns() {
+        let tok = shipped();
+        let system =
+            json!({"role": "system", "content": "You are a meticulous assistant. ".repeat(20)});
+        let turn1 = vec![
+            system.clone(),
+            json!({"role": "user", "content": "first question"}),
+        ];
+        let (_, how1) = tok.encode_chat(&turn1).unwrap();
+        assert_eq!(
+            how1,
+            ChatTokenization::Segmented {
+                cached_segments: 0,
+                fresh_segments: 3
+            }
+        );
+        let turn2 = vec![
+            system,
+            json!({"role": "user", "content": "first question"}),
+            json!({"role": "assistant", "content": "an answer"}),
+            json!({"role": "user", "content": "second question"}),
+        ];
+        let (tokens, how2) = tok.encode_chat(&turn2).unwrap();
+        // system, user 1 and the generation prompt are reused; assistant and user 2 are new.
+        assert_eq!(
+            how2,
+            ChatTokenization::Segmented {
+                cached_segments: 3,
+                fresh_segments: 2
+            }
+        );
+        assert_eq!(tokens, tok.encode_chat_whole(&turn2).unwrap());
+    }
+
+    #[test]
+    fn a_later_turn_renders_only_the_messages_added_since_the_previous_turn() {
+        let tok = shipped();
+        let mut conversation = vec![json!({"role": "system", "content": "Be brief. ".repeat(50)})];
+        for turn in 0..6 {
+            conversation.push(json!({"role": "user", "content": format!("question {turn}")}));
+            let before = tok.renders_total();
+            // Skip the whole-text verification renders of the first chats: count them apart.
+            let verified = tok.chats_seen.load(Ordering::Relaxed) < VERIFY_FIRST_CHATS;
+            let (tokens, _) = tok.encode_chat(&conversation).unwrap();
+            let renders = tok.renders_total() - before - u64::from(verified);
+            // Turn 0 renders system, user and the generation prompt; later turns the previous
+            // answer, the new question and the generation prompt: never the whole history again.
+            assert_eq!(renders, 3, "turn {turn}: {renders} renders");
+            assert_eq!(tokens, tok.encode_chat_whole(&conversation).unwrap());
+            conversation.push(json!({"role": "assistant", "content": format!("answer {turn}")}));
+        }
+        let before = tok.renders_total();
+        conversation.pop();
+        tok.chats_seen
+            .store(VERIFY_FIRST_CHATS + 1, Ordering::Relaxed);
+        tok.encode_chat(&conversation).unwrap();
+        assert_eq!(
+            tok.renders_total(),
+            before,
+            "a repeated request is served from the prefix cache without rendering"
+        );
+    }
+
+    /// A template that renders the message count first: no rendering of a conversation is a
+    /// prefix of the rendering of a longer one.
+    fn count_first_template() -> minijinja::Environment<'static> {
+        let mut env = minijinja::Environment::new();
+        env.add_template_owned(
+            "chat",
+            "{{ messages|length }}{% for m in messages %}[{{ m.content }}]{% endfor %}".to_string(),
+        )
+        .unwrap();
+        env
+    }
+
+    #[test]
+    fn a_cached_prefix_the_longer_rendering_does_not_start_with_falls_back_to_whole() {
+        let mut tok = shipped();
+        // Renders the message count first: a one-message rendering ("1[a]") is cached by the
+        // first request, and the two-message rendering ("2[a][b]") does not start with it.
+        Arc::get_mut(&mut tok).expect("sole owner").template = Some(count_first_template());
+        let one = vec![json!({"role": "user", "content": "a"})];
+        let (_, how) = tok.encode_chat(&one).unwrap();
+        assert!(matches!(how, ChatTokenization::Segmented { .. }));
+        let two = vec![one[0].clone(), json!({"role": "user", "content": "b"})];
+        let (tokens, how) = tok.encode_chat(&two).unwrap();
+        assert_eq!(how, ChatTokenization::Whole);
+        assert_eq!(tokens, tok.encode_chat_whole(&two).unwrap());
+    }
+
+    #[test]
+    fn a_template_that_is_not_prefix_stable_falls_back_to_whole_tokenization() {
+        let mut tok = shipped();
+        // Renders the message count first, so a prefix rendering is never a prefix of the next.
+        Arc::get_mut(&mut tok).expect("sole owner").template = Some(count_first_template());
+        let msgs = vec![
+            json!({"role": "user", "content": "a"}),
+            json!({"role": "user", "content": "b"}),
+        ];
+        let (tokens, how) = tok.encode_chat(&msgs).unwrap();
+        assert_eq!(how, ChatTokenization::Whole);
+        assert_eq!(tokens, tok.encode_chat_whole(&msgs).unwrap());
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_conversation_over_the_render_budget_is_tokenized_whole() {
+        let path =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
+        let tok = Arc::new(ModelTokenizer::load(&path, 1024).unwrap());
+        // Each message counts as its content + 16 bytes; 1,500 empty messages are 1,500 x 24,000
+        // = 36 MB of prefix rendering, over the budget, while the whole text is only ~30 KB.
+        let msgs: Vec<Value> = (0..1_500)
+            .map(|_| json!({"role": "user", "content": ""}))
+            .collect();
+        const { assert!(1_500 * 1_500 * 16 > SEGMENTED_RENDER_BUDGET_BYTES) };
+        let (_, how) = tok.encode_chat(&msgs[..2]).unwrap();
+        assert!(matches!(how, ChatTokenization::Segmented { .. }));
+        let (tokens, how) = tok.encode_chat(&msgs).unwrap();
+        assert_eq!(how, ChatTokenization::Whole);
+        assert_eq!(tokens, tok.encode_chat_whole(&msgs).unwrap());
+    }
+}
