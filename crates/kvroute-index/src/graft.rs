@@ -46,9 +46,13 @@ use thiserror::Error;
 use crate::index::{IndexWriter, RankId, RestoreDelta, Shard, Shared, word_rank};
 use crate::snapshot::{RestoreError, retain_ranks_validated, validate_snapshot};
 
-/// Default work per slice (see [`IndexWriter::graft_step`]): measured by `benches/graft.rs` so
-/// that one slice stays under 5 ms on the 64 x 100,000-block shape, a small fraction of the
-/// 50 ms p99 budget for a live batch waiting behind it.
+/// Default work per slice (see [`IndexWriter::graft_step`]), chosen with `benches/graft.rs` on
+/// the 64 x 100,000-block shape: a node-stage slice of this size takes ~1.5 ms, so one slice
+/// stays under 5 ms with room for a loaded machine, a small fraction of the 50 ms p99 budget for
+/// a live batch waiting behind it, while the whole graft costs no more than with larger slices.
+/// The side-map stage files one whole rank per slice whatever this is (~3 ms for a rank of
+/// 100,000 carriers): a rank's map is sized once, because growing it in steps would re-read
+/// every entry's node at each doubling.
 pub const GRAFT_SLICE_ITEMS_MAX: usize = 32_768;
 
 /// Snapshot nodes placed per shard write-lock acquisition: a reader of that shard waits at most
