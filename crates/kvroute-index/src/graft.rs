@@ -263,6 +263,29 @@ impl GraftJob {
         }
     }
 
+    /// Leaves `rank` out of the rest of the job without touching the index: for a rank that
+    /// declined the graft before any slice ran. Returns false, excluding nothing, when the job
+    /// already placed carriers for it (use [`IndexWriter::abandon_graft_rank`] then) or does not
+    /// graft it.
+    pub fn exclude_rank(&mut self, rank: RankId) -> bool {
+        match self.snapshot_rank_of(rank) {
+            Some(r) if self.bucket_fill[r] == self.bucket_start[r] && !self.filed(r) => {
+                self.local[r] = NONE;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether snapshot rank `r`'s side map was already filed (its bucket is emptied then).
+    fn filed(&self, r: usize) -> bool {
+        match self.stage {
+            Stage::Nodes { .. } => false,
+            Stage::Sides { rank } => rank > r,
+            Stage::Done => true,
+        }
+    }
+
     fn snapshot_rank_of(&self, rank: RankId) -> Option<usize> {
         self.local.iter().position(|&l| l == rank.0)
     }

@@ -323,6 +323,38 @@ fn abandoning_a_rank_mid_graft_leaves_what_a_graft_without_it_leaves() {
 }
 
 #[test]
+fn a_rank_excluded_before_the_first_slice_keeps_its_own_carriers() {
+    // A rank that declined the graft (its stream began at seq 0 meanwhile) already carries live
+    // blocks; excluding it must neither graft nor clear them.
+    let (src, _) = source(13, 2, 6);
+    let snap = src.export_snapshot();
+    let (mut w, r, ids) = target(2);
+    let toks = tokens(77, 2, BS);
+    w.apply_batch(
+        ids[0],
+        0,
+        &batch(vec![stored(&[1, 2], None, toks, BS, None)]),
+    );
+    let before = canonical(&r, Some(&rank_ref(0)));
+    let mut job = w.begin_graft(plan_all(&snap), &ids).expect("begins");
+    assert!(job.exclude_rank(ids[0]));
+    assert!(!job.exclude_rank(ids[0]), "already out");
+    while r.rank_stats(ids[1]).unwrap().carried_blocks == 0 {
+        w.graft_step(&mut job, 5).expect("steps");
+    }
+    assert!(
+        !job.exclude_rank(ids[1]),
+        "carriers placed: only abandoning removes them"
+    );
+    w.graft_all(&mut job).expect("finishes");
+    assert_eq!(canonical(&r, Some(&rank_ref(0))), before);
+    assert_eq!(
+        canonical(&r, Some(&rank_ref(1))),
+        canonical(&src, Some(&rank_ref(1)))
+    );
+}
+
+#[test]
 fn abandoning_after_the_graft_completes_clears_the_rank_and_its_cursor() {
     let (src, _) = source(7, 2, 5);
     let snap = src.export_snapshot();
