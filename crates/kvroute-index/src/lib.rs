@@ -2,12 +2,18 @@
 //!
 //! [`hash`] computes the router's own chained content hash of token blocks; [`index`] keeps the
 //! sharded prefix index keyed by it (one writer, many readers); [`snapshot`] exports, validates,
-//! restores and filters the columnar [`kvroute_wire::snapshot::IndexSnapshot`].
+//! restores and filters the columnar [`kvroute_wire::snapshot::IndexSnapshot`]; [`graft`] unions
+//! a snapshot into the live index for named ranks, in bounded slices.
+pub mod graft;
 pub mod hash;
 pub mod index;
 pub mod snapshot;
 mod table;
 
+pub use graft::{
+    GRAFT_LOCK_NODES_MAX, GRAFT_SLICE_ITEMS_MAX, GraftError, GraftJob, GraftPlan, GraftProgress,
+    GraftReport,
+};
 pub use index::{
     ApplyReport, IndexConfig, IndexCounters, IndexReader, IndexWriter, PrefixIndex, PrefixMatch,
     RankId, RankMatch, RankStats, ShardMemory, TIER_ALL, TIER_DEVICE, TIER_DISK, TIER_EXTERNAL,

@@ -645,10 +645,20 @@ pub fn retain_ranks(
     keep: impl Fn(&kvroute_wire::snapshot::RankRef) -> bool,
 ) -> Result<(), RestoreError> {
     validate_structure(s)?;
+    retain_ranks_validated(s, |_, r| keep(r));
+    Ok(())
+}
+
+/// [`retain_ranks`] on a snapshot whose structure is already validated; `keep` gets each rank's
+/// index and ref.
+pub(crate) fn retain_ranks_validated(
+    s: &mut IndexSnapshot,
+    mut keep: impl FnMut(usize, &kvroute_wire::snapshot::RankRef) -> bool,
+) {
     let mut rank_map = vec![NONE; s.ranks.len()];
     let mut ranks = Vec::new();
     for (i, r) in s.ranks.iter().enumerate() {
-        if keep(r) {
+        if keep(i, r) {
             rank_map[i] = ranks.len() as u32;
             ranks.push(r.clone());
         }
@@ -718,5 +728,4 @@ pub fn retain_ranks(
         .collect();
     s.ranks = ranks;
     s.nodes = out;
-    Ok(())
 }

@@ -269,6 +269,15 @@ impl<S: KvSource> Pump<S> {
                         .with_label_values(&[outcome.label()])
                         .inc();
                 }
+                // Only bootstrapping ranks emit these, and this pump registers none yet.
+                Action::Graft { .. }
+                | Action::DiscardGraft
+                | Action::ProbeSiblings { .. }
+                | Action::RequestFreshSnapshot { .. }
+                | Action::BootstrapFinished { .. } => {
+                    tracing::error!(worker = %key.url, dp_rank = key.dp_rank,
+                        "bootstrap action for a rank this pump did not register as bootstrapping");
+                }
             }
         }
         let replaying = matches!(rank.machine.phase(), Phase::Replaying { .. });

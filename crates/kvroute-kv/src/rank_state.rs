@@ -19,8 +19,27 @@
 //! start AT the cursor when its batch's `ts` is known, and compare: the engine's batch at that seq
 //! must be the one we applied (same `ts`), or the publisher is not the one the cursor speaks of.
 //!
-//! The machine is generic over the batch payload (anything with a [`Stamped::ts`]) so tests can
-//! use plain markers.
+//! **Peer bootstrap.** A rank registered while bootstrap is on starts in a holding phase: its
+//! live batches are held (bounded by count and bytes) until a sibling's snapshot is grafted under
+//! them or the rank is released. The snapshot's cursor `c` for the rank (seq and `ts`) is the
+//! watermark: held batches at or below it are already in the snapshot; the first one above it
+//! must be `c + 1` for the splice to be proven. A gap is healed from the engine's replay socket
+//! when the rank has one, else (or when replay cannot cover it) the rank asks once for a fresher
+//! snapshot, and a second failure discards the graft and runs the rank cold. With nothing held at
+//! graft time the proof is deferred: the first live batch decides, and the engine's replay from
+//! `c` (or, without a replay socket, the siblings' cursors) is asked meanwhile, because a quiet
+//! rank may publish nothing for a long time. Every bootstrap ends in exactly one
+//! [`BootstrapOutcome`], reported as [`Action::BootstrapFinished`] on the transition to `Live`.
+//!
+//! Ordering contract with the pump for a graft: [`Action::Graft`] is emitted before the `Apply`
+//! of every held batch above the watermark, and the pump completes the graft of that rank before
+//! executing any later action of the rank. That is what keeps a removal that arrived while the
+//! rank was held from being resurrected by the snapshot: the removal is applied after the graft.
+//! The pump validates and prepares the graft BEFORE delivering it ([`RankMachine::on_graft`]), so
+//! a snapshot the index refuses is a release (`rejected`), never a half-taken graft.
+//!
+//! The machine is generic over the batch payload (anything with a [`Stamped::ts`] and a
+//! [`HeldCost`]) so tests can use plain markers.
 
 use std::collections::VecDeque;
 
@@ -37,10 +56,131 @@ impl Stamped for EventBatch {
     }
 }
 
+/// The memory a held batch costs, for the bootstrap hold's byte bound.
+///
+/// The payload reports its own cost rather than the caller passing the wire size: batches reach
+/// the hold from two paths (the live stream and replay answers), and what the hold keeps in
+/// memory is the decoded batch, whose size differs from its msgpack bytes.
+pub trait HeldCost {
+    fn held_bytes(&self) -> u64;
+}
+
+impl HeldCost for EventBatch {
+    /// An estimate from the decoded shape: the structs plus their vectors' elements. It ignores
+    /// allocator slack, which is why the bound it feeds is set with headroom.
+    fn held_bytes(&self) -> u64 {
+        use kvroute_wire::KvEvent;
+        let mut bytes = std::mem::size_of::<(i64, EventBatch)>()
+            + self.events.len() * std::mem::size_of::<KvEvent>();
+        for ev in &self.events {
+            bytes += match ev {
+                KvEvent::BlockStored(s) => {
+                    s.block_hashes.len() * 8
+                        + s.token_ids.len() * 4
+                        + s.extra_keys.len() * std::mem::size_of::<Option<u64>>()
+                        + s.lora_name.as_ref().map_or(0, String::len)
+                }
+                KvEvent::BlockRemoved(r) => r.block_hashes.len() * 8,
+                KvEvent::AllBlocksCleared => 0,
+            };
+        }
+        bytes as u64
+    }
+}
+
 /// Live batches held while a replay is in flight. Past this the replay is abandoned: the held
 /// batches are applied and the gap counted lost, because holding without bound would let one slow
 /// replay socket grow the router's memory and stall the rank indefinitely.
 pub const HELD_BATCHES_MAX: usize = 4096;
+
+/// Live batches one bootstrapping rank may hold. The hold lasts the whole sibling search (fetch,
+/// vet, graft: seconds, up to the bootstrap deadline); past this the rank is released and runs
+/// cold (`overflow`) rather than grow without bound.
+pub const BOOTSTRAP_HELD_BATCHES_MAX: usize = 8192;
+
+/// Bytes (as [`HeldCost`] estimates them) one bootstrapping rank may hold. Counted as well as
+/// batches because a batch ranges from a few hundred bytes to megabytes (token ids of every
+/// stored block); this bounds a 1,024-rank fleet's holds to a few GiB in the worst case.
+pub const BOOTSTRAP_HELD_BYTES_MAX: u64 = 4 * 1024 * 1024;
+
+/// Unanswered sibling-cursor probes of a deferred splice proof before the graft is kept as
+/// `warm_unwitnessed`; bounded so a replica alone in its fleet settles instead of probing forever.
+pub const SPLICE_PROBE_ROUNDS_MAX: u32 = 3;
+
+/// How a rank's bootstrap ended: the one outcome type of the project (the tracker's, in the pure
+/// `kvroute-bootstrap` crate). Some are decided by this machine (the splice proofs, overflow,
+/// restarts); the others are the caller's reason for a release without a graft.
+pub use kvroute_bootstrap::tracker::Outcome as BootstrapOutcome;
+
+/// Batches held by a bootstrapping rank, ascending by seq, with their [`HeldCost`] total.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeldBatches<B> {
+    batches: VecDeque<(i64, B)>,
+    bytes: u64,
+}
+
+impl<B> Default for HeldBatches<B> {
+    fn default() -> Self {
+        Self {
+            batches: VecDeque::new(),
+            bytes: 0,
+        }
+    }
+}
+
+impl<B: HeldCost> HeldBatches<B> {
+    /// Held batches from `batches`, which must be ascending and distinct by seq.
+    fn from_sorted(batches: Vec<(i64, B)>) -> Self {
+        let bytes = batches.iter().map(|(_, b)| b.held_bytes()).sum();
+        Self {
+            batches: batches.into(),
+            bytes,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.batches.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.batches.is_empty()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub fn first_seq(&self) -> Option<i64> {
+        self.batches.front().map(|(s, _)| *s)
+    }
+
+    fn last_seq(&self) -> Option<i64> {
+        self.batches.back().map(|(s, _)| *s)
+    }
+
+    fn push(&mut self, seq: i64, batch: B) {
+        self.bytes += batch.held_bytes();
+        self.batches.push_back((seq, batch));
+    }
+
+    fn over_limits(&self) -> bool {
+        self.batches.len() > BOOTSTRAP_HELD_BATCHES_MAX || self.bytes > BOOTSTRAP_HELD_BYTES_MAX
+    }
+
+    /// Drops batches at or below `seq`; returns how many.
+    fn drop_through(&mut self, seq: i64) -> u64 {
+        let mut dropped = 0;
+        while let Some((s, b)) = self.batches.front() {
+            if *s > seq {
+                break;
+            }
+            self.bytes -= b.held_bytes();
+            self.batches.pop_front();
+            dropped += 1;
+        }
+        dropped
+    }
+}
 
 /// What became of one replay.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,6 +239,31 @@ pub enum Action<B> {
     ReplayFinished {
         outcome: ReplayOutcome,
     },
+    /// Graft the prepared snapshot's carriers for this rank (whose cursor is `watermark`), to
+    /// completion, before executing any later action of this rank.
+    Graft {
+        watermark: Witness,
+    },
+    /// The graft cannot be proven: drop every carrier of the rank and its index cursor (the rank
+    /// carried nothing but the graft), before any later `Apply`. If the rank's graft job is still
+    /// running, abandon the rank in it.
+    DiscardGraft,
+    /// Ask the siblings' cursor tables for this rank and answer with
+    /// [`RankMachine::on_probe_answer`] under `generation` (the pump paces the rounds).
+    ProbeSiblings {
+        generation: u64,
+        watermark: Witness,
+    },
+    /// The one retry of this incarnation: find a snapshot again, newer than the gap. Its cursor
+    /// for the rank must reach at least `min_cursor` (deliveries below it are ignored); the
+    /// coordinator stamps the freshness floor (now) when it executes this.
+    RequestFreshSnapshot {
+        min_cursor: i64,
+    },
+    /// The rank's bootstrap ended; exactly one per bootstrapping incarnation.
+    BootstrapFinished {
+        outcome: BootstrapOutcome,
+    },
 }
 
 /// `(seq, ts)` of an applied batch that a replay answer must reproduce.
@@ -117,6 +282,34 @@ pub enum Phase<B> {
         verify: Option<Witness>,
         held: VecDeque<(i64, B)>,
     },
+    /// Bootstrap: no snapshot yet; live batches are held until a graft or a release.
+    Holding {
+        held: HeldBatches<B>,
+        /// After a gap, the one retry demands a snapshot whose cursor reaches this seq.
+        min_cursor: Option<i64>,
+    },
+    /// Bootstrap without a snapshot: the engine's replay from seq 0 is asked; live batches held.
+    Rebuilding {
+        generation: u64,
+        held: HeldBatches<B>,
+        /// The outcome of the release if the replay does not reach back to seq 0.
+        fallback: BootstrapOutcome,
+    },
+    /// Grafted at `watermark`, and a gap separates it from the first held batch: the engine's
+    /// replay is asked for the missing batches.
+    Healing {
+        generation: u64,
+        watermark: Witness,
+        held: HeldBatches<B>,
+    },
+    /// Grafted at `watermark` with nothing held: the proof is deferred to the first live batch,
+    /// the engine's replay from the watermark (`replay`), or the siblings' cursors (`probe`).
+    Proving {
+        watermark: Witness,
+        replay: Option<u64>,
+        probe: Option<u64>,
+        unanswered_probes: u32,
+    },
 }
 
 /// Counters kept per rank for status reporting (the pump mirrors them into metrics).
@@ -127,6 +320,8 @@ pub struct RankCounters {
     pub lost_batches: u64,
     pub publisher_restarts: u64,
     pub replays_started: u64,
+    /// Held batches found already reflected in a grafted snapshot (seq at or below its cursor).
+    pub reflected_batches: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -140,9 +335,12 @@ pub struct RankMachine<B> {
     next_generation: u64,
     has_replay: bool,
     counters: RankCounters,
+    /// The one gap retry of a bootstrap is still available.
+    retry_available: bool,
+    outcome: Option<BootstrapOutcome>,
 }
 
-impl<B: Stamped> RankMachine<B> {
+impl<B: Stamped + HeldCost> RankMachine<B> {
     /// A rank that has applied nothing yet. `has_replay`: the rank has a replay endpoint.
     pub fn new(has_replay: bool) -> Self {
         Self {
@@ -153,6 +351,47 @@ impl<B: Stamped> RankMachine<B> {
             next_generation: 0,
             has_replay,
             counters: RankCounters::default(),
+            retry_available: false,
+            outcome: None,
+        }
+    }
+
+    /// A rank registered while peer bootstrap is on: it holds its live batches until a graft
+    /// ([`Self::on_graft`]) or a release ([`Self::on_release`]).
+    pub fn new_bootstrapping(has_replay: bool) -> Self {
+        Self {
+            phase: Phase::Holding {
+                held: HeldBatches::default(),
+                min_cursor: None,
+            },
+            retry_available: true,
+            ..Self::new(has_replay)
+        }
+    }
+
+    /// How the rank's bootstrap ended; `None` while it runs (or if it never bootstrapped).
+    pub fn outcome(&self) -> Option<BootstrapOutcome> {
+        self.outcome
+    }
+
+    /// Whether the rank is in a bootstrap phase (holding, rebuilding, or proving a graft).
+    pub fn is_bootstrapping(&self) -> bool {
+        matches!(
+            self.phase,
+            Phase::Holding { .. }
+                | Phase::Rebuilding { .. }
+                | Phase::Healing { .. }
+                | Phase::Proving { .. }
+        )
+    }
+
+    /// Bytes held by a bootstrap phase (0 otherwise).
+    pub fn held_bytes(&self) -> u64 {
+        match &self.phase {
+            Phase::Holding { held, .. }
+            | Phase::Rebuilding { held, .. }
+            | Phase::Healing { held, .. } => held.bytes(),
+            _ => 0,
         }
     }
 
@@ -172,20 +411,26 @@ impl<B: Stamped> RankMachine<B> {
 
     pub fn held_len(&self) -> usize {
         match &self.phase {
-            Phase::Live => 0,
+            Phase::Live | Phase::Proving { .. } => 0,
             Phase::Replaying { held, .. } => held.len(),
+            Phase::Holding { held, .. }
+            | Phase::Rebuilding { held, .. }
+            | Phase::Healing { held, .. } => held.len(),
         }
     }
 
     /// A batch from the rank's SUB socket.
     pub fn on_live_batch(&mut self, seq: i64, batch: B, out: &mut Vec<Action<B>>) {
+        if self.is_bootstrapping() {
+            return self.on_live_batch_bootstrapping(seq, batch, out);
+        }
         if self.is_restart(seq, &batch) {
             self.restart(out);
         }
         self.last_live_seq = Some(seq);
         let held = match &mut self.phase {
-            Phase::Live => return self.on_live_batch_while_live(seq, batch, out),
             Phase::Replaying { held, .. } => held,
+            _ => return self.on_live_batch_while_live(seq, batch, out),
         };
         if self.cursor.is_some_and(|c| seq <= c) || held.back().is_some_and(|(s, _)| seq <= *s) {
             self.counters.duplicate_batches += 1;
@@ -225,6 +470,15 @@ impl<B: Stamped> RankMachine<B> {
     ) {
         match &self.phase {
             Phase::Replaying { generation: g, .. } if *g == generation => {}
+            Phase::Healing { generation: g, .. } if *g == generation => {
+                return self.on_heal_answer(answer, out);
+            }
+            Phase::Proving {
+                replay: Some(g), ..
+            } if *g == generation => return self.on_proof_answer(answer, out),
+            Phase::Rebuilding { generation: g, .. } if *g == generation => {
+                return self.on_rebuild_answer(answer, out);
+            }
             _ => return,
         }
         let (held, verify) = self.leave_replaying();
@@ -336,8 +590,8 @@ impl<B: Stamped> RankMachine<B> {
 
     fn leave_replaying(&mut self) -> (VecDeque<(i64, B)>, Option<Witness>) {
         match std::mem::replace(&mut self.phase, Phase::Live) {
-            Phase::Live => (VecDeque::new(), None),
             Phase::Replaying { held, verify, .. } => (held, verify),
+            _ => (VecDeque::new(), None),
         }
     }
 
@@ -361,6 +615,463 @@ impl<B: Stamped> RankMachine<B> {
         out.push(Action::Apply { seq, batch });
     }
 }
+
+/// Bootstrap inputs and transitions.
+impl<B: Stamped + HeldCost> RankMachine<B> {
+    /// A graft for this rank is ready, with the snapshot's cursor as `watermark`. Returns whether
+    /// it was taken: only a holding rank takes one, and after a gap only one whose cursor reaches
+    /// the retry's demand (an older one would gap again by construction). The pump grafts only
+    /// ranks that took it, then executes the actions.
+    pub fn on_graft(&mut self, watermark: Witness, out: &mut Vec<Action<B>>) -> bool {
+        let Phase::Holding { min_cursor, .. } = &self.phase else {
+            return false;
+        };
+        if min_cursor.is_some_and(|m| watermark.0 < m) {
+            return false;
+        }
+        let Phase::Holding { mut held, .. } = std::mem::replace(&mut self.phase, Phase::Live)
+        else {
+            return false;
+        };
+        out.push(Action::Graft { watermark });
+        let (c, ts) = watermark;
+        self.counters.reflected_batches += held.drop_through(c);
+        self.cursor = Some(c);
+        self.cursor_ts = Some(ts);
+        match held.first_seq() {
+            None => self.start_proof(watermark, 0, out),
+            Some(first) if Some(first) == c.checked_add(1) => {
+                self.finish(BootstrapOutcome::Warm, held, out);
+            }
+            Some(_) => self.on_gap(watermark, held, None, out),
+        }
+        true
+    }
+
+    /// Ends a holding (or rebuilding) rank's bootstrap without a graft: the held batches apply in
+    /// order and the rank runs from its live stream. Returns false (and does nothing) in any other
+    /// phase: a graft in place is judged by its own proof, not by the caller.
+    pub fn on_release(&mut self, outcome: BootstrapOutcome, out: &mut Vec<Action<B>>) -> bool {
+        if !matches!(self.phase, Phase::Holding { .. } | Phase::Rebuilding { .. }) {
+            return false;
+        }
+        let held = self.take_held();
+        self.finish(outcome, held, out);
+        true
+    }
+
+    /// No snapshot will come: rebuild the rank from the engine's replay buffer if it still reaches
+    /// back to seq 0 (a young engine), else release it with `fallback`. Returns false (and does
+    /// nothing) unless the rank is holding and has a replay socket.
+    pub fn on_engine_rebuild(
+        &mut self,
+        fallback: BootstrapOutcome,
+        out: &mut Vec<Action<B>>,
+    ) -> bool {
+        if !self.has_replay || !matches!(self.phase, Phase::Holding { .. }) {
+            return false;
+        }
+        let held = self.take_held();
+        let generation = self.mint_generation();
+        self.counters.replays_started += 1;
+        out.push(Action::StartReplay {
+            generation,
+            from_seq: 0,
+            stop_before: held.first_seq(),
+        });
+        self.phase = Phase::Rebuilding {
+            generation,
+            held,
+            fallback,
+        };
+        true
+    }
+
+    /// The siblings' answer to probe `generation`: the highest cursor any of them reports for this
+    /// rank, `None` when none names it. Above the watermark proves a missed batch; at it proves the
+    /// splice; below it or silence proves nothing. Answers to a probe the rank has moved past
+    /// (a later batch decided, or a restarted engine replaced the graft) are ignored.
+    pub fn on_probe_answer(
+        &mut self,
+        generation: u64,
+        highest: Option<i64>,
+        out: &mut Vec<Action<B>>,
+    ) {
+        let Phase::Proving {
+            watermark,
+            probe: Some(g),
+            unanswered_probes,
+            ..
+        } = self.phase
+        else {
+            return;
+        };
+        if g != generation {
+            return;
+        }
+        match highest {
+            Some(seq) if seq > watermark.0 => self.fall_back(HeldBatches::default(), seq, out),
+            Some(seq) if seq == watermark.0 => {
+                self.finish(BootstrapOutcome::Warm, HeldBatches::default(), out);
+            }
+            _ if unanswered_probes + 1 >= SPLICE_PROBE_ROUNDS_MAX => {
+                self.finish(
+                    BootstrapOutcome::WarmUnwitnessed,
+                    HeldBatches::default(),
+                    out,
+                );
+            }
+            _ => self.start_proof_probe(watermark, unanswered_probes + 1, out),
+        }
+    }
+
+    fn on_live_batch_bootstrapping(&mut self, seq: i64, batch: B, out: &mut Vec<Action<B>>) {
+        let grafted = matches!(self.phase, Phase::Healing { .. } | Phase::Proving { .. });
+        let went_back = self.last_live_seq.is_some_and(|last| seq < last);
+        // With a graft in place the cursor is the snapshot's: a batch 0 past it, or another batch
+        // at it, comes from a publisher the snapshot does not describe.
+        let origin_again = grafted && seq == 0 && self.cursor.is_some_and(|c| c > 0);
+        let other_at_cursor = grafted
+            && self.cursor == Some(seq)
+            && self.cursor_ts.is_some_and(|ts| ts != batch.ts());
+        self.last_live_seq = Some(seq);
+        if went_back || origin_again || other_at_cursor {
+            return self.restart_while_bootstrapping(seq, batch, out);
+        }
+        match &mut self.phase {
+            Phase::Holding { held, .. } if held.is_empty() && seq == 0 => {
+                self.finish(BootstrapOutcome::FromOrigin, HeldBatches::default(), out);
+                self.apply_in_order(seq, batch, out);
+            }
+            Phase::Holding { held, .. }
+            | Phase::Rebuilding { held, .. }
+            | Phase::Healing { held, .. } => {
+                if held.last_seq().is_some_and(|last| seq <= last) {
+                    self.counters.duplicate_batches += 1;
+                    out.push(Action::Duplicate { seq });
+                    return;
+                }
+                held.push(seq, batch);
+                if held.over_limits() {
+                    self.overflow(out);
+                }
+            }
+            Phase::Proving {
+                watermark, replay, ..
+            } => {
+                let (watermark, replay) = (*watermark, *replay);
+                if seq <= watermark.0 {
+                    self.counters.duplicate_batches += 1;
+                    out.push(Action::Duplicate { seq });
+                } else if Some(seq) == watermark.0.checked_add(1) {
+                    self.finish(BootstrapOutcome::Warm, HeldBatches::default(), out);
+                    self.apply_in_order(seq, batch, out);
+                } else {
+                    let held = HeldBatches::from_sorted(vec![(seq, batch)]);
+                    self.on_gap(watermark, held, replay, out);
+                }
+            }
+            Phase::Live | Phase::Replaying { .. } => {}
+        }
+    }
+
+    /// A new publisher while bootstrapping: whatever is held or grafted belongs to the old one.
+    fn restart_while_bootstrapping(&mut self, seq: i64, batch: B, out: &mut Vec<Action<B>>) {
+        self.phase = Phase::Live;
+        self.counters.publisher_restarts += 1;
+        out.push(Action::PublisherRestarted);
+        out.push(Action::ClearRank);
+        let outcome = if seq == 0 {
+            BootstrapOutcome::FromOrigin
+        } else {
+            BootstrapOutcome::PublisherReset
+        };
+        self.record_outcome(outcome, out);
+        // As after a live restart: the new publisher counts from 0, so a first seq past it is a
+        // gap the replay socket may still fill.
+        self.cursor = Some(-1);
+        self.cursor_ts = None;
+        self.on_live_batch_while_live(seq, batch, out);
+    }
+
+    /// The engine's answer while healing the gap between the watermark and the first held batch.
+    fn on_heal_answer(&mut self, answer: ReplayAnswer<B>, out: &mut Vec<Action<B>>) {
+        let Phase::Healing {
+            watermark, held, ..
+        } = std::mem::replace(&mut self.phase, Phase::Live)
+        else {
+            return;
+        };
+        let (c, ts) = watermark;
+        // Healing always holds the batch that revealed the gap.
+        let first = held.first_seq().unwrap_or(c);
+        let ReplayAnswer::Batches(batches) = answer else {
+            return self.fall_back(held, first.saturating_sub(1), out);
+        };
+        let batches = sorted_distinct(batches);
+        if batches.iter().any(|(s, b)| *s == c && b.ts() != ts) {
+            return self.reset_after_graft(held, out);
+        }
+        let fill: Vec<(i64, B)> = batches
+            .into_iter()
+            .filter(|(s, _)| *s > c && *s < first)
+            .collect();
+        let missing = i128::from(first) - i128::from(c) - 1;
+        let complete = fill.len() as i128 == missing
+            && fill.iter().zip(c + 1..).all(|((s, _), want)| *s == want);
+        if !complete {
+            return self.fall_back(held, first.saturating_sub(1), out);
+        }
+        let held = HeldBatches {
+            bytes: 0,
+            batches: fill.into_iter().chain(held.batches).collect(),
+        };
+        self.finish(BootstrapOutcome::Warm, held, out);
+    }
+
+    /// The engine's answer to the replay from the watermark of a deferred proof.
+    fn on_proof_answer(&mut self, answer: ReplayAnswer<B>, out: &mut Vec<Action<B>>) {
+        let Phase::Proving {
+            watermark,
+            unanswered_probes,
+            ..
+        } = self.phase
+        else {
+            return;
+        };
+        let (c, ts) = watermark;
+        let ReplayAnswer::Batches(batches) = answer else {
+            // The engine could not speak; the siblings may.
+            self.phase = Phase::Live;
+            return self.start_proof_probe(watermark, unanswered_probes, out);
+        };
+        let batches = sorted_distinct(batches);
+        let witness = batches.iter().find(|(s, _)| *s == c).map(|(_, b)| b.ts());
+        let later: Vec<(i64, B)> = batches.into_iter().filter(|(s, _)| *s > c).collect();
+        self.phase = Phase::Live;
+        match witness {
+            // Another batch at the watermark: the snapshot's cursor speaks of another publisher.
+            Some(w) if w != ts => self.reset_after_graft(HeldBatches::default(), out),
+            Some(_) => {
+                let later = HeldBatches::from_sorted(later);
+                match later.first_seq() {
+                    Some(first) if first > c.saturating_add(1) => {
+                        self.fall_back(later, first - 1, out);
+                    }
+                    _ => self.finish(BootstrapOutcome::Warm, later, out),
+                }
+            }
+            // Nothing at or after the watermark in the engine's buffer: this publisher never
+            // reached the snapshot's cursor, so the cursor describes an earlier incarnation.
+            None if later.is_empty() => self.reset_after_graft(HeldBatches::default(), out),
+            // The watermark's batch is gone from the buffer while later ones remain: whether any
+            // was missed cannot be shown. The retry must reach the newest batch seen, so that its
+            // own proof asks the engine about a batch still in the buffer.
+            None => {
+                let later = HeldBatches::from_sorted(later);
+                let min_cursor = later.last_seq().unwrap_or(c);
+                self.fall_back(later, min_cursor, out);
+            }
+        }
+    }
+
+    /// The engine's answer to the rebuild replay from seq 0.
+    fn on_rebuild_answer(&mut self, answer: ReplayAnswer<B>, out: &mut Vec<Action<B>>) {
+        let Phase::Rebuilding { held, fallback, .. } =
+            std::mem::replace(&mut self.phase, Phase::Live)
+        else {
+            return;
+        };
+        let ReplayAnswer::Batches(batches) = answer else {
+            return self.finish(fallback, held, out);
+        };
+        let first_held = held.first_seq();
+        let prefix: Vec<(i64, B)> = sorted_distinct(batches)
+            .into_iter()
+            .filter(|(s, _)| *s >= 0 && first_held.is_none_or(|f| *s < f))
+            .collect();
+        // From 0 with no hole, up to the first held batch: exactly the stream we missed. With
+        // nothing held, an empty answer is an engine that has published nothing yet.
+        let contiguous = prefix.iter().zip(0..).all(|((s, _), want)| *s == want);
+        let reaches_held = first_held.is_none_or(|f| prefix.len() as i64 == f);
+        let outcome = if contiguous && reaches_held {
+            BootstrapOutcome::FromEngineReplay
+        } else {
+            fallback
+        };
+        let held = HeldBatches {
+            bytes: 0,
+            batches: prefix.into_iter().chain(held.batches).collect(),
+        };
+        self.finish(outcome, held, out);
+    }
+
+    /// A gap between the watermark and the first held batch: heal it from the engine's replay (the
+    /// proof's replay already in flight covers it), else fall back.
+    fn on_gap(
+        &mut self,
+        watermark: Witness,
+        held: HeldBatches<B>,
+        replay_in_flight: Option<u64>,
+        out: &mut Vec<Action<B>>,
+    ) {
+        if let Some(generation) = replay_in_flight {
+            self.phase = Phase::Healing {
+                generation,
+                watermark,
+                held,
+            };
+            return;
+        }
+        if !self.has_replay {
+            let first = held.first_seq().unwrap_or(watermark.0);
+            return self.fall_back(held, first.saturating_sub(1), out);
+        }
+        let generation = self.mint_generation();
+        self.counters.replays_started += 1;
+        // From the watermark itself, not the seq after it: the engine's batch there must carry the
+        // cursor's ts, which proves the snapshot and the held batches speak of one publisher.
+        out.push(Action::StartReplay {
+            generation,
+            from_seq: watermark.0,
+            stop_before: held.first_seq(),
+        });
+        self.phase = Phase::Healing {
+            generation,
+            watermark,
+            held,
+        };
+    }
+
+    /// The graft cannot be proven: discard it, then either ask once for a fresher snapshot
+    /// (holding on, batches kept, no cursor) or run cold (`gap`).
+    fn fall_back(&mut self, held: HeldBatches<B>, min_cursor: i64, out: &mut Vec<Action<B>>) {
+        out.push(Action::DiscardGraft);
+        self.cursor = None;
+        self.cursor_ts = None;
+        if self.retry_available {
+            self.retry_available = false;
+            out.push(Action::RequestFreshSnapshot { min_cursor });
+            self.phase = Phase::Holding {
+                held,
+                min_cursor: Some(min_cursor),
+            };
+        } else {
+            self.finish(BootstrapOutcome::Gap, held, out);
+        }
+    }
+
+    /// The engine denied the snapshot's cursor: clear the rank, then recover the new publisher's
+    /// stream as after a live restart (replay from its origin, held batches kept).
+    fn reset_after_graft(&mut self, held: HeldBatches<B>, out: &mut Vec<Action<B>>) {
+        self.phase = Phase::Live;
+        self.counters.publisher_restarts += 1;
+        out.push(Action::PublisherRestarted);
+        out.push(Action::ClearRank);
+        self.record_outcome(BootstrapOutcome::PublisherReset, out);
+        self.cursor = Some(-1);
+        self.cursor_ts = None;
+        let stop_before = held.first_seq();
+        if self.has_replay {
+            self.start_replay(stop_before, held.batches, out);
+        } else {
+            for (s, b) in held.batches {
+                self.apply_in_order(s, b, out);
+            }
+        }
+    }
+
+    fn overflow(&mut self, out: &mut Vec<Action<B>>) {
+        if matches!(self.phase, Phase::Healing { .. }) {
+            out.push(Action::DiscardGraft);
+            self.cursor = None;
+            self.cursor_ts = None;
+        }
+        let held = self.take_held();
+        self.finish(BootstrapOutcome::Overflow, held, out);
+    }
+
+    /// Defers the proof of a graft with nothing held: the engine's replay from the watermark when
+    /// there is a replay socket, else the siblings' cursors.
+    fn start_proof(&mut self, watermark: Witness, unanswered: u32, out: &mut Vec<Action<B>>) {
+        if !self.has_replay {
+            return self.start_proof_probe(watermark, unanswered, out);
+        }
+        let generation = self.mint_generation();
+        self.counters.replays_started += 1;
+        out.push(Action::StartReplay {
+            generation,
+            from_seq: watermark.0,
+            stop_before: None,
+        });
+        self.phase = Phase::Proving {
+            watermark,
+            replay: Some(generation),
+            probe: None,
+            unanswered_probes: unanswered,
+        };
+    }
+
+    fn start_proof_probe(&mut self, watermark: Witness, unanswered: u32, out: &mut Vec<Action<B>>) {
+        let generation = self.mint_generation();
+        out.push(Action::ProbeSiblings {
+            generation,
+            watermark,
+        });
+        self.phase = Phase::Proving {
+            watermark,
+            replay: None,
+            probe: Some(generation),
+            unanswered_probes: unanswered,
+        };
+    }
+
+    /// Ends the bootstrap: reports `outcome`, goes live and applies `held` through the cursor
+    /// filter (cold when the cursor was reset, spliced when it is the watermark).
+    fn finish(
+        &mut self,
+        outcome: BootstrapOutcome,
+        held: HeldBatches<B>,
+        out: &mut Vec<Action<B>>,
+    ) {
+        self.phase = Phase::Live;
+        self.record_outcome(outcome, out);
+        for (s, b) in held.batches {
+            self.apply_in_order(s, b, out);
+        }
+    }
+
+    fn record_outcome(&mut self, outcome: BootstrapOutcome, out: &mut Vec<Action<B>>) {
+        self.outcome = Some(outcome);
+        out.push(Action::BootstrapFinished { outcome });
+    }
+
+    fn take_held(&mut self) -> HeldBatches<B> {
+        match std::mem::replace(&mut self.phase, Phase::Live) {
+            Phase::Holding { held, .. }
+            | Phase::Rebuilding { held, .. }
+            | Phase::Healing { held, .. } => held,
+            _ => HeldBatches::default(),
+        }
+    }
+
+    fn mint_generation(&mut self) -> u64 {
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        generation
+    }
+}
+
+/// A replay answer sorted by seq with repeats dropped (engines send in order; this is cheap
+/// insurance for the apply-once invariant).
+fn sorted_distinct<B>(mut batches: Vec<(i64, B)>) -> Vec<(i64, B)> {
+    batches.sort_by_key(|(s, _)| *s);
+    batches.dedup_by_key(|(s, _)| *s);
+    batches
+}
+
+#[cfg(test)]
+mod bootstrap_tests;
 
 #[cfg(test)]
 mod tests {
@@ -389,7 +1100,7 @@ mod tests {
     fn replaying_generation(m: &M) -> u64 {
         match m.phase() {
             Phase::Replaying { generation, .. } => *generation,
-            Phase::Live => panic!("expected Replaying, machine is Live"),
+            other => panic!("expected Replaying, machine is {other:?}"),
         }
     }
 

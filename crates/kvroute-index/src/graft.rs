@@ -1,0 +1,688 @@
+//! The graft: a sibling's snapshot unioned into the live index for a few named (booting) ranks,
+//! in bounded slices, so the single writer can keep applying other ranks' live batches between
+//! slices.
+//!
+//! Why slices and not one call: a restore of a 6.4 M-carrier snapshot runs ~0.5 s, and the writer
+//! (the pump) applies nothing else meanwhile; live batches of the other ranks would wait that
+//! long. Building aside and swapping is no cheaper here: the graft must share nodes with the
+//! ranks already live, so "aside" would be a copy of the whole index. A slice costs at most
+//! `items_max` units of work (one per snapshot node visited, one per carrier placed or filed) and
+//! holds a shard write lock for at most [`GRAFT_LOCK_NODES_MAX`] nodes, so readers wait no longer
+//! than behind a live store event.
+//!
+//! It runs in three stages, mirroring [`IndexWriter::restore_snapshot`]:
+//! 1. **nodes**: snapshot nodes in order, each carrier of a grafted rank added to its node. A
+//!    node is created only when it or a descendant gets a carrier, so a rank excluded mid-way
+//!    leaves no empty node behind. Parents precede children in the snapshot and a node's
+//!    missing ancestors are created before it, so a reader that sees half a graft sees each
+//!    grafted rank holding a true, shorter prefix of what the snapshot says it holds, never a
+//!    block without its prefix.
+//! 2. **side maps**: each rank's (engine hash -> node) entries, one rank at a time, so a rank's
+//!    map is sized once and built while hot in cache (the same reason restore does it last).
+//! 3. **finish**: cursors set to the snapshot's, then the memory cap enforced.
+//!
+//! Between slices the writer may apply other ranks' batches, which can evict or prune nodes the
+//! job placed. The job never trusts a remembered node blindly: before placing under a parent it
+//! checks that the slot still holds a live node with the parent's content hash, and re-creates
+//! missing ancestors otherwise; and if any eviction ran during the job, each side entry is checked
+//! against its carrier before it is filed. A grafted rank's own batches must NOT be applied while
+//! its job runs (the rank is held by its state machine; the pump queues the rank's later actions
+//! behind the graft).
+//!
+//! Until stage 2 has filed a rank's side map, `clear_rank` and `remove_rank` cannot find that
+//! rank's grafted carriers: a rank that must be dropped mid-job goes through
+//! [`IndexWriter::abandon_graft_rank`], which files what was placed and then clears it.
+//!
+//! Validation is split from the writer on purpose: [`GraftPlan::new`] checks the whole snapshot
+//! and reduces it to the ranks to graft, a linear pass that can run on any thread; the writer's
+//! [`IndexWriter::begin_graft`] only maps ranks and allocates.
+
+use std::sync::Arc;
+
+use hashbrown::HashSet;
+use kvroute_wire::snapshot::{IndexSnapshot, NO_PARENT, RankCursor, RankRef, SnapshotNodes};
+use thiserror::Error;
+
+use crate::index::{IndexWriter, RankId, RestoreDelta, Shard, Shared, word_rank};
+use crate::snapshot::{RestoreError, retain_ranks_validated, validate_snapshot};
+
+/// Default work per slice (see [`IndexWriter::graft_step`]), chosen with `benches/graft.rs` on
+/// the 64 x 100,000-block shape: a node-stage slice of this size takes ~1.5 ms, so one slice
+/// stays under 5 ms with room for a loaded machine, a small fraction of the 50 ms p99 budget for
+/// a live batch waiting behind it, while the whole graft costs no more than with larger slices.
+/// The side-map stage files one whole rank per slice whatever this is (~3 ms for a rank of
+/// 100,000 carriers): a rank's map is sized once, because growing it in steps would re-read
+/// every entry's node at each doubling.
+pub const GRAFT_SLICE_ITEMS_MAX: usize = 32_768;
+
+/// Snapshot nodes placed per shard write-lock acquisition: a reader of that shard waits at most
+/// this many placements (tens of microseconds), like behind one live store event.
+pub const GRAFT_LOCK_NODES_MAX: usize = 256;
+
+const NONE: u32 = u32::MAX;
+
+/// Why a snapshot cannot be grafted, or a job cannot run on this writer.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum GraftError {
+    #[error(transparent)]
+    Invalid(#[from] RestoreError),
+    /// A rank names one engine hash on two nodes. Its side map could file only one of them, and
+    /// the other carrier could then never be removed, not even by clearing the rank.
+    #[error("carrier {carrier}: rank {rank} carries engine hash {engine:#x} on two nodes")]
+    DuplicateEngineHash {
+        carrier: usize,
+        rank: u32,
+        engine: u64,
+    },
+    /// The job was begun on another index.
+    #[error("graft job belongs to another index")]
+    ForeignJob,
+}
+
+/// A validated snapshot reduced to the ranks to graft, each with a cursor.
+///
+/// A rank without a cursor in the snapshot is left out (listed in [`GraftPlan::uncovered`]): with
+/// no watermark, its live stream can never be proven to continue the snapshot, so grafting it
+/// would risk serving blocks the engine has since removed.
+#[derive(Debug, Clone)]
+pub struct GraftPlan {
+    snapshot: IndexSnapshot,
+    carriers_per_rank: Vec<usize>,
+    uncovered: Vec<RankRef>,
+}
+
+impl GraftPlan {
+    /// Validates `snapshot` completely (header against `block_size`, structure, and one engine
+    /// hash per node per rank) and keeps only the ranks `keep` accepts that have a cursor. Linear
+    /// in the snapshot; meant to run off the writer.
+    pub fn new(
+        mut snapshot: IndexSnapshot,
+        block_size: u32,
+        keep: impl Fn(&RankRef) -> bool,
+    ) -> Result<GraftPlan, GraftError> {
+        validate_snapshot(&snapshot, block_size)?;
+        let mut has_cursor = vec![false; snapshot.ranks.len()];
+        for c in &snapshot.cursors {
+            has_cursor[c.rank as usize] = true;
+        }
+        let mut uncovered = Vec::new();
+        let kept: Vec<bool> = snapshot
+            .ranks
+            .iter()
+            .zip(&has_cursor)
+            .map(|(r, &cursor)| {
+                let wanted = keep(r);
+                if wanted && !cursor {
+                    uncovered.push(r.clone());
+                }
+                wanted && cursor
+            })
+            .collect();
+        if kept.iter().any(|k| !k) {
+            retain_ranks_validated(&mut snapshot, |i, _| kept[i]);
+        }
+        let carriers_per_rank = check_engine_hashes(&snapshot)?;
+        Ok(GraftPlan {
+            snapshot,
+            carriers_per_rank,
+            uncovered,
+        })
+    }
+
+    pub fn snapshot(&self) -> &IndexSnapshot {
+        &self.snapshot
+    }
+
+    /// The ranks this plan grafts.
+    pub fn ranks(&self) -> &[RankRef] {
+        &self.snapshot.ranks
+    }
+
+    /// Ranks `keep` accepted that the snapshot has no cursor for.
+    pub fn uncovered(&self) -> &[RankRef] {
+        &self.uncovered
+    }
+
+    /// The snapshot's cursor for `rank` (its rank index is the snapshot's).
+    pub fn cursor(&self, rank: &RankRef) -> Option<RankCursor> {
+        let pos = self.snapshot.ranks.iter().position(|r| r == rank)?;
+        self.snapshot
+            .cursors
+            .iter()
+            .find(|c| c.rank as usize == pos)
+            .copied()
+    }
+}
+
+/// Carriers per rank; fails on a rank carrying one engine hash twice.
+fn check_engine_hashes(s: &IndexSnapshot) -> Result<Vec<usize>, GraftError> {
+    let n = &s.nodes;
+    let ranks = s.ranks.len();
+    let mut start = vec![0usize; ranks + 1];
+    for &r in &n.carrier_rank {
+        start[r as usize + 1] += 1;
+    }
+    for r in 0..ranks {
+        start[r + 1] += start[r];
+    }
+    let mut fill = start.clone();
+    let mut engines = vec![0u64; n.carrier_rank.len()];
+    for (&r, &e) in n.carrier_rank.iter().zip(&n.carrier_engine_hash) {
+        engines[fill[r as usize]] = e;
+        fill[r as usize] += 1;
+    }
+    let mut seen: HashSet<u64> = HashSet::new();
+    for r in 0..ranks {
+        let mine = &engines[start[r]..start[r + 1]];
+        seen.clear();
+        seen.reserve(mine.len());
+        for &e in mine {
+            if !seen.insert(e) {
+                // The rare path: find the second carrier for the report.
+                let carrier = n
+                    .carrier_rank
+                    .iter()
+                    .zip(&n.carrier_engine_hash)
+                    .enumerate()
+                    .filter(|(_, (cr, ce))| **cr as usize == r && **ce == e)
+                    .nth(1)
+                    .map_or(0, |(c, _)| c);
+                return Err(GraftError::DuplicateEngineHash {
+                    carrier,
+                    rank: r as u32,
+                    engine: e,
+                });
+            }
+        }
+    }
+    Ok((0..ranks).map(|r| start[r + 1] - start[r]).collect())
+}
+
+/// Where a job is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Next snapshot node to visit.
+    Nodes {
+        next: usize,
+    },
+    /// Next snapshot rank whose side map to file.
+    Sides {
+        rank: usize,
+    },
+    Done,
+}
+
+/// An in-progress graft; drive it with [`IndexWriter::graft_step`].
+pub struct GraftJob {
+    shared: Arc<Shared>,
+    plan: GraftPlan,
+    /// Snapshot rank -> local rank id, or [`NONE`] when that rank is not (or no longer) grafted.
+    local: Vec<u32>,
+    stage: Stage,
+    /// Node ref + 1 of each placed snapshot node; 0 = not placed (zeroed memory is free to get).
+    placed: Vec<u32>,
+    /// Shard of each visited snapshot node (its root's shard).
+    shard_of: Vec<u8>,
+    /// Placed carriers bucketed by snapshot rank, to file side maps rank by rank:
+    /// `bucket_engine/node[bucket_start[r]..bucket_fill[r]]`.
+    bucket_start: Vec<usize>,
+    bucket_fill: Vec<usize>,
+    bucket_engine: Vec<u64>,
+    bucket_node: Vec<u32>,
+    /// Engine hashes a placed carrier replaced (the rank already carried the node).
+    displaced: Vec<(RankId, u64, u32)>,
+    eviction_runs_at_begin: u64,
+    ancestors: Vec<u32>,
+    report: GraftReport,
+}
+
+impl GraftJob {
+    pub fn plan(&self) -> &GraftPlan {
+        &self.plan
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.stage == Stage::Done
+    }
+
+    /// Local ids of the ranks this job still grafts.
+    pub fn ranks(&self) -> Vec<RankId> {
+        self.local
+            .iter()
+            .filter(|&&l| l != NONE)
+            .map(|&l| RankId(l))
+            .collect()
+    }
+
+    /// Snapshot nodes visited so far and in total.
+    pub fn progress(&self) -> (usize, usize) {
+        let total = self.plan.snapshot.nodes.len();
+        match self.stage {
+            Stage::Nodes { next } => (next, total),
+            _ => (total, total),
+        }
+    }
+
+    /// Leaves `rank` out of the rest of the job without touching the index: for a rank that
+    /// declined the graft before any slice ran. Returns false, excluding nothing, when the job
+    /// already placed carriers for it (use [`IndexWriter::abandon_graft_rank`] then) or does not
+    /// graft it.
+    pub fn exclude_rank(&mut self, rank: RankId) -> bool {
+        match self.snapshot_rank_of(rank) {
+            Some(r) if self.bucket_fill[r] == self.bucket_start[r] && !self.filed(r) => {
+                self.local[r] = NONE;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether snapshot rank `r`'s side map was already filed (its bucket is emptied then).
+    fn filed(&self, r: usize) -> bool {
+        match self.stage {
+            Stage::Nodes { .. } => false,
+            Stage::Sides { rank } => rank > r,
+            Stage::Done => true,
+        }
+    }
+
+    fn snapshot_rank_of(&self, rank: RankId) -> Option<usize> {
+        self.local.iter().position(|&l| l == rank.0)
+    }
+}
+
+/// What a finished graft did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GraftReport {
+    /// Snapshot nodes placed (created or merged into existing ones), ancestors included.
+    pub nodes: u64,
+    pub carriers: u64,
+    /// Carriers of ranks not (or no longer) grafted, left out.
+    pub excluded_carriers: u64,
+    /// Snapshot nodes that could not be placed (a shard slab was full), with their carriers.
+    pub skipped_nodes: u64,
+    /// Side entries left out because the carrier was evicted while the job ran.
+    pub stale_entries: u64,
+    /// Cursors set, as (local rank id, snapshot cursor).
+    pub cursors_set: Vec<(RankId, RankCursor)>,
+    pub evicted_carriers: u64,
+}
+
+/// Whether a job is finished.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GraftProgress {
+    More {
+        /// Snapshot nodes visited so far.
+        nodes_done: usize,
+        nodes_total: usize,
+    },
+    Done(GraftReport),
+}
+
+impl IndexWriter {
+    /// Starts grafting `plan` for the plan's ranks that are registered here AND named in `ranks`
+    /// (every other carrier is left out). Touches nothing in the index; cost is independent of
+    /// the snapshot's size apart from zeroed allocations.
+    pub fn begin_graft(
+        &mut self,
+        plan: GraftPlan,
+        ranks: &[RankId],
+    ) -> Result<GraftJob, GraftError> {
+        let block_size = self.config().block_size;
+        if plan.snapshot.block_size != block_size {
+            return Err(RestoreError::BlockSize {
+                found: plan.snapshot.block_size,
+                expected: block_size,
+            }
+            .into());
+        }
+        let named: HashSet<u32> = ranks.iter().map(|r| r.0).collect();
+        let local: Vec<u32> = plan
+            .snapshot
+            .ranks
+            .iter()
+            .map(|r| match self.rank_id(r) {
+                Some(id) if named.contains(&id.0) => id.0,
+                _ => NONE,
+            })
+            .collect();
+        let mut bucket_start = Vec::with_capacity(local.len() + 1);
+        bucket_start.push(0usize);
+        for (r, &l) in local.iter().enumerate() {
+            let n = if l == NONE {
+                0
+            } else {
+                plan.carriers_per_rank[r]
+            };
+            bucket_start.push(bucket_start[r] + n);
+        }
+        let bucketed = bucket_start[local.len()];
+        let nodes = plan.snapshot.nodes.len();
+        Ok(GraftJob {
+            shared: self.shared.clone(),
+            local,
+            stage: Stage::Nodes { next: 0 },
+            placed: vec![0; nodes],
+            shard_of: vec![0; nodes],
+            bucket_fill: bucket_start[..bucket_start.len() - 1].to_vec(),
+            bucket_start,
+            bucket_engine: vec![0; bucketed],
+            bucket_node: vec![0; bucketed],
+            displaced: Vec::new(),
+            eviction_runs_at_begin: self.reader().counters().eviction_runs,
+            ancestors: Vec::new(),
+            report: GraftReport::default(),
+            plan,
+        })
+    }
+
+    /// Runs about `items_max` units of the job (at least one node or one rank's side map, so it
+    /// always progresses): a snapshot node visited or a carrier placed costs one, as does a side
+    /// entry filed. A rank's side map is filed in one go, so a slice can overrun by one rank's
+    /// entry count.
+    pub fn graft_step(
+        &mut self,
+        job: &mut GraftJob,
+        items_max: usize,
+    ) -> Result<GraftProgress, GraftError> {
+        if !Arc::ptr_eq(&job.shared, &self.shared) {
+            return Err(GraftError::ForeignJob);
+        }
+        self.drop_unregistered(job);
+        let mut spent = 0usize;
+        loop {
+            match job.stage {
+                Stage::Nodes { next } if next < job.plan.snapshot.nodes.len() => {
+                    if spent >= items_max.max(1) {
+                        break;
+                    }
+                    spent += self.place_nodes(job, items_max.max(1) - spent);
+                }
+                Stage::Nodes { .. } => job.stage = Stage::Sides { rank: 0 },
+                Stage::Sides { rank } if rank < job.local.len() => {
+                    let entries = job.bucket_fill[rank] - job.bucket_start[rank];
+                    if spent > 0 && spent.saturating_add(entries) > items_max {
+                        break;
+                    }
+                    self.file_side_entries(job, rank);
+                    spent += entries.max(1);
+                    job.stage = Stage::Sides { rank: rank + 1 };
+                }
+                Stage::Sides { .. } => {
+                    self.finish_graft(job);
+                    job.stage = Stage::Done;
+                }
+                Stage::Done => return Ok(GraftProgress::Done(job.report.clone())),
+            }
+        }
+        let (nodes_done, nodes_total) = job.progress();
+        Ok(GraftProgress::More {
+            nodes_done,
+            nodes_total,
+        })
+    }
+
+    /// Runs the whole job at once (tests, and callers with nothing to interleave).
+    pub fn graft_all(&mut self, job: &mut GraftJob) -> Result<GraftReport, GraftError> {
+        loop {
+            if let GraftProgress::Done(report) = self.graft_step(job, usize::MAX)? {
+                return Ok(report);
+            }
+        }
+    }
+
+    /// Stops grafting `rank` and removes every carrier the job gave it, and its cursor, whatever
+    /// stage the job is at (after `Done`, this is just clearing the rank). Call it BEFORE
+    /// `remove_rank` of a rank in a running job: until the job files the rank's side map,
+    /// removal could not find the grafted carriers.
+    pub fn abandon_graft_rank(&mut self, job: &mut GraftJob, rank: RankId) {
+        if Arc::ptr_eq(&job.shared, &self.shared)
+            && let Some(r) = job.snapshot_rank_of(rank)
+        {
+            // A no-op when the rank's map is already filed (its bucket is emptied then).
+            self.file_side_entries(job, r);
+            job.local[r] = NONE;
+        }
+        self.clear_rank(rank);
+        self.set_cursor(rank, None);
+    }
+
+    /// Excludes plan ranks that were removed (or removed and re-added under a new id) since the
+    /// job began: what they had was dropped with them, and a new incarnation is not theirs.
+    fn drop_unregistered(&self, job: &mut GraftJob) {
+        for (r, l) in job.local.iter_mut().enumerate() {
+            if *l != NONE && self.rank_id(&job.plan.snapshot.ranks[r]) != Some(RankId(*l)) {
+                *l = NONE;
+            }
+        }
+    }
+
+    /// Visits snapshot nodes from the job's cursor for about `budget` units; returns units spent.
+    fn place_nodes(&mut self, job: &mut GraftJob, budget: usize) -> usize {
+        let shared = self.shared.clone();
+        let GraftJob {
+            plan,
+            local,
+            stage,
+            placed,
+            shard_of,
+            bucket_fill,
+            bucket_engine,
+            bucket_node,
+            displaced,
+            ancestors,
+            report,
+            ..
+        } = job;
+        let Stage::Nodes { mut next } = *stage else {
+            return 0;
+        };
+        let n = &plan.snapshot.nodes;
+        let total = n.len();
+        let mut spent = 0usize;
+        let mut delta = RestoreDelta::default();
+        while next < total && spent < budget {
+            let shard_idx = shard_of_node(&shared, n, shard_of, next);
+            let mut shard = shared.shards[shard_idx].write();
+            shard.mutations += 1;
+            let mut in_lock = 0usize;
+            while next < total && spent < budget && in_lock < GRAFT_LOCK_NODES_MAX {
+                let i = next;
+                if shard_of_node(&shared, n, shard_of, i) != shard_idx {
+                    break;
+                }
+                let c_start = if i == 0 {
+                    0
+                } else {
+                    n.carrier_end[i - 1] as usize
+                };
+                let c_end = n.carrier_end[i] as usize;
+                spent += 1 + (c_end - c_start);
+                in_lock += 1;
+                next += 1;
+                let grafted = (c_start..c_end)
+                    .filter(|&c| local[n.carrier_rank[c] as usize] != NONE)
+                    .count();
+                report.excluded_carriers += (c_end - c_start - grafted) as u64;
+                if grafted == 0 {
+                    // Placed later, and only if a descendant needs it as an ancestor.
+                    continue;
+                }
+                let placement = Placement {
+                    n,
+                    placed: placed.as_mut_slice(),
+                    ancestors: &mut *ancestors,
+                    report: &mut *report,
+                };
+                let Some(idx) = self.place_with_ancestors(placement, &mut shard, shard_idx, i)
+                else {
+                    report.skipped_nodes += 1;
+                    continue;
+                };
+                let node_ref = shared.node_ref(shard_idx, idx);
+                for c in c_start..c_end {
+                    let r = n.carrier_rank[c] as usize;
+                    if local[r] == NONE {
+                        continue;
+                    }
+                    let engine = n.carrier_engine_hash[c];
+                    self.restore_carrier(
+                        RankId(local[r]),
+                        node_ref,
+                        n.carrier_tiers[c],
+                        engine,
+                        &mut shard,
+                        &mut delta,
+                        displaced,
+                    );
+                    let slot = bucket_fill[r];
+                    bucket_engine[slot] = engine;
+                    bucket_node[slot] = node_ref;
+                    bucket_fill[r] += 1;
+                    report.carriers += 1;
+                }
+            }
+        }
+        self.flush_restore_delta(&mut delta);
+        *stage = Stage::Nodes { next };
+        spent
+    }
+
+    /// Slab index of snapshot node `i`, creating it and any ancestor that is not (or no longer)
+    /// in the index, top-down; `None` when the shard is full.
+    fn place_with_ancestors(
+        &self,
+        p: Placement<'_>,
+        shard: &mut Shard,
+        shard_idx: usize,
+        i: usize,
+    ) -> Option<u32> {
+        p.ancestors.clear();
+        let mut j = i;
+        let mut base = NONE;
+        loop {
+            if let Some(idx) = live_placement(
+                &self.shared,
+                shard,
+                shard_idx,
+                p.placed[j],
+                p.n.content_hash[j],
+            ) {
+                base = idx;
+                break;
+            }
+            p.ancestors.push(j as u32);
+            match p.n.parent[j] {
+                NO_PARENT => break,
+                parent => j = parent as usize,
+            }
+        }
+        let mut parent = base;
+        while let Some(j) = p.ancestors.pop() {
+            let j = j as usize;
+            let Some(idx) = self.find_or_create_in(shard, p.n.content_hash[j], parent) else {
+                self.count_shard_full(1);
+                return None;
+            };
+            p.placed[j] = self.shared.node_ref(shard_idx, idx) + 1;
+            p.report.nodes += 1;
+            parent = idx;
+        }
+        Some(parent)
+    }
+
+    /// Files snapshot rank `r`'s placed carriers in its side map (skipping carriers evicted since
+    /// they were placed), then forgets them.
+    fn file_side_entries(&mut self, job: &mut GraftJob, r: usize) {
+        let local = job.local[r];
+        let (lo, hi) = (job.bucket_start[r], job.bucket_fill[r]);
+        job.bucket_fill[r] = lo;
+        if local == NONE || lo == hi {
+            return;
+        }
+        let rank = RankId(local);
+        let mut entries: Vec<(u64, u32)> = job.bucket_engine[lo..hi]
+            .iter()
+            .copied()
+            .zip(job.bucket_node[lo..hi].iter().copied())
+            .collect();
+        if self.reader().counters().eviction_runs != job.eviction_runs_at_begin {
+            let before = entries.len();
+            let guards: Vec<_> = self.shared.shards.iter().map(|s| s.read()).collect();
+            entries.retain(|&(engine, node_ref)| {
+                let (s, idx) = self.shared.split_ref(node_ref);
+                guards.get(s).is_some_and(|g| carries(g, idx, rank, engine))
+            });
+            job.report.stale_entries += (before - entries.len()) as u64;
+        }
+        let displaced: Vec<(u64, u32)> = job
+            .displaced
+            .iter()
+            .filter(|d| d.0 == rank)
+            .map(|d| (d.1, d.2))
+            .collect();
+        job.displaced.retain(|d| d.0 != rank);
+        self.restore_side_entries(rank, &displaced, &entries);
+    }
+
+    fn finish_graft(&mut self, job: &mut GraftJob) {
+        for c in &job.plan.snapshot.cursors {
+            let local = job.local[c.rank as usize];
+            if local == NONE {
+                continue;
+            }
+            self.set_cursor(RankId(local), Some((c.seq, c.ts)));
+            job.report.cursors_set.push((RankId(local), *c));
+        }
+        job.report.evicted_carriers = self.enforce_cap();
+    }
+}
+
+/// The shard of snapshot node `i`, its root's; recorded so descendants find it without a walk.
+fn shard_of_node(shared: &Shared, n: &SnapshotNodes, shard_of: &mut [u8], i: usize) -> usize {
+    let s = match n.parent[i] {
+        NO_PARENT => shared.shard_of_root(n.content_hash[i]),
+        p => usize::from(shard_of[p as usize]),
+    };
+    // Shard counts are at most SHARD_COUNT_MAX (256), so a shard index fits a byte.
+    shard_of[i] = s as u8;
+    s
+}
+
+/// The parts of a job that placing one node touches.
+struct Placement<'a> {
+    n: &'a SnapshotNodes,
+    placed: &'a mut [u32],
+    ancestors: &'a mut Vec<u32>,
+    report: &'a mut GraftReport,
+}
+
+/// The slab index `placed` (a node ref + 1, or 0) names, if that slot still holds a live node
+/// with `hash`. A node the job placed may have been pruned (after an eviction) and its slot
+/// reused between slices; a slot reused for the same hash is the same block, so it is accepted.
+fn live_placement(
+    shared: &Shared,
+    shard: &Shard,
+    shard_idx: usize,
+    placed: u32,
+    hash: u64,
+) -> Option<u32> {
+    let (s, idx) = shared.split_ref(placed.checked_sub(1)?);
+    let node = shard.nodes.get(idx as usize)?;
+    (s == shard_idx && !node.is_free() && node.hash == hash).then_some(idx)
+}
+
+/// Whether `rank` carries the node at `idx` under `engine`.
+fn carries(shard: &Shard, idx: u32, rank: RankId, engine: u64) -> bool {
+    let Some(node) = shard.nodes.get(idx as usize) else {
+        return false;
+    };
+    if node.is_free() {
+        return false;
+    }
+    let (words, engines) = shard.carriers(node);
+    words
+        .iter()
+        .zip(engines)
+        .any(|(&w, &e)| word_rank(w) == rank.0 && e == engine)
+}
