@@ -18,6 +18,9 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+step "cargo clippy -p kvroute-discovery --no-default-features (the build without Kubernetes)"
+cargo clippy -p kvroute-discovery --no-default-features --lib --locked -- -D warnings
+
 step "cargo test"
 cargo test --workspace --locked --no-fail-fast
 
