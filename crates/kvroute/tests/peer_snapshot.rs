@@ -660,3 +660,104 @@ async fn producer_ready_is_false_while_the_replica_is_not_ready() {
     router.shutdown().await;
     fleet.shutdown().await;
 }
+
+/// The bootstrap sweep's path over the real transport: the raw answer of a warm producer vets
+/// (`kvroute_bootstrap::vet`, the only bridge from a sibling's bytes to a graft) into a
+/// `Covered` watermark for every live rank, equal to the producer's own cursor; a rank this
+/// replica does not serve is dropped; and the two "nothing to serve" answers are told apart
+/// from a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeps_raw_answer_vets_into_the_producers_cursor_for_every_live_rank() {
+    use kvroute::peer::fetch::SnapshotAnswer;
+    use kvroute_bootstrap::{BodyEncoding, Coverage, Expectations, vet};
+    use kvroute_index::RankId;
+
+    let (fleet, router, _) = warm_router(2, 2, 30, |_| {}).await;
+    let a = a_reader(&router);
+    let want = index_cursors(&a);
+    assert_eq!(want.len(), 4, "every rank of A has a cursor: {want:?}");
+    let answer = fetcher(None)
+        .fetch_snapshot_answer(&router.internal_url(), Some("m"), None, Some(10_000))
+        .await;
+    let SnapshotAnswer::Response(resp) = answer else {
+        panic!("expected a snapshot response, got {answer:?}");
+    };
+    assert!(resp.age_ms.is_some(), "the producer sends the export's age");
+    let encoding = BodyEncoding::from_headers(
+        Some(resp.content_type.as_str()),
+        resp.content_encoding.as_deref(),
+    )
+    .expect("the producer answers in an encoding vet reads");
+    // This replica serves three of A's four ranks, under local ids of its own.
+    let ranks: Vec<(String, u32)> = want.keys().cloned().collect();
+    let live: Vec<(kvroute_wire::snapshot::RankRef, RankId)> = ranks[..3]
+        .iter()
+        .enumerate()
+        .map(|(i, (url, dp))| {
+            (
+                kvroute_wire::snapshot::RankRef {
+                    worker_url: url.clone(),
+                    dp_rank: *dp,
+                },
+                RankId(100 + i as u32),
+            )
+        })
+        .collect();
+    let vetted = vet(
+        &resp.bytes,
+        encoding,
+        &Expectations {
+            block_size: a.config().block_size,
+            live: &live,
+            mac_key: None,
+            limits: DecodeLimits::default(),
+        },
+    )
+    .expect("a warm, ready producer's snapshot vets");
+    assert_eq!(
+        vetted.dropped_ranks(),
+        1,
+        "the rank this replica does not serve"
+    );
+    for (i, key) in ranks[..3].iter().enumerate() {
+        match vetted.coverage(RankId(100 + i as u32)) {
+            Coverage::Covered { cursor } => {
+                assert_eq!(cursor.0, want[key], "watermark of {key:?} is A's cursor")
+            }
+            other => panic!("{key:?} not covered: {other:?}"),
+        }
+    }
+    router.shutdown().await;
+
+    // Nothing to serve: a replica without an index (404), and one whose index has applied no
+    // event yet (503 index_not_ready).
+    let rr = kvroute::serve(RouterConfig {
+        policy: PolicyKind::RoundRobin,
+        ..router_config(&urls(&fleet))
+    })
+    .await
+    .unwrap();
+    let answer = fetcher(None)
+        .fetch_snapshot_answer(&rr.internal_url(), None, None, None)
+        .await;
+    assert!(matches!(answer, SnapshotAnswer::NoSnapshot), "{answer:?}");
+    rr.shutdown().await;
+    fleet.shutdown().await;
+    let quiet = common::fleet(1, 1, "m").await;
+    let cold = kvroute::serve(router_config(&urls(&quiet))).await.unwrap();
+    wait_subscribed(&cold, 1).await;
+    let answer = fetcher(None)
+        .fetch_snapshot_answer(&cold.internal_url(), None, None, None)
+        .await;
+    assert!(matches!(answer, SnapshotAnswer::NoSnapshot), "{answer:?}");
+    // A sibling that is not there at all is a failure, not "nothing to serve".
+    let answer = fetcher(None)
+        .fetch_snapshot_answer("http://127.0.0.1:9", None, None, Some(2_000))
+        .await;
+    assert!(
+        matches!(answer, SnapshotAnswer::Unreachable(_)),
+        "{answer:?}"
+    );
+    cold.shutdown().await;
+    quiet.shutdown().await;
+}

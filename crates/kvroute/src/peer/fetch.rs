@@ -12,6 +12,11 @@
 //! * the bearer token is sent when configured, and the same bytes verify the binary snapshot's
 //!   HMAC: a body signed with another key is [`FetchOutcome::MacRefused`].
 //!
+//! Two ways in: [`PeerFetcher::fetch_snapshot`] decodes (the component tests compare what it
+//! returns with the producer's index), and [`PeerFetcher::fetch_snapshot_answer`] hands the raw
+//! bytes and headers to the bootstrap sweep, which vets them with `kvroute_bootstrap::vet`: the
+//! only path from a sibling's bytes to a graft.
+//!
 //! It always asks for the compact binary (`Accept: application/x-kvroute-snapshot`) with
 //! `Accept-Encoding: zstd, gzip`; it still decodes JSON if a sibling answers with it. Decoding
 //! runs on the blocking pool: a large snapshot takes tens of milliseconds of CPU.
@@ -26,7 +31,7 @@ use kvroute_snapshot::{
 use kvroute_wire::snapshot::IndexSnapshot;
 use reqwest::header;
 
-use crate::peer::internal::{KV_CURSORS_PATH, KV_SNAPSHOT_PATH};
+use crate::peer::internal::{KV_CURSORS_PATH, KV_SNAPSHOT_PATH, SNAPSHOT_AGE_HEADER};
 use crate::peer::producer::CursorTable;
 
 /// Default time to establish a connection to a sibling.
@@ -115,7 +120,39 @@ struct RawBody {
     bytes: Vec<u8>,
     content_type: String,
     content_encoding: Option<String>,
+    age_ms: Option<u64>,
 }
+
+/// A snapshot response as it came off the wire: the bytes for `kvroute_bootstrap::vet` (the
+/// only bridge from them to a snapshot a replica may graft) and the headers the sweep needs.
+#[derive(Debug)]
+pub struct SnapshotResponse {
+    pub bytes: Vec<u8>,
+    pub content_type: String,
+    pub content_encoding: Option<String>,
+    /// The producer's `x-kvroute-snapshot-age-ms`: how old its export was when sent. The body
+    /// carries no export time, so this is what a freshness floor is checked against.
+    pub age_ms: Option<u64>,
+}
+
+/// How a snapshot fetch ended, in the terms the bootstrap sweep decides on.
+#[derive(Debug)]
+pub enum SnapshotAnswer {
+    /// A 200 and its bytes (size-checked on the wire, not yet decoded).
+    Response(SnapshotResponse),
+    /// The sibling has nothing to serve: 404 (no index, or a build without the endpoint) or 503
+    /// `index_not_ready` (it has applied no KV event yet).
+    NoSnapshot,
+    /// The sibling is warm but refused for now: 503 `busy` or 429.
+    Busy,
+    /// The body passed the byte limit on the wire.
+    TooLarge { limit_bytes: usize },
+    /// Connect failure, timeout, broken body, or any other status.
+    Unreachable(String),
+}
+
+/// Bytes of a refusal's JSON body read to learn its error code.
+pub const REFUSAL_BODY_MAX_BYTES: usize = 4 * 1024;
 
 impl PeerFetcher {
     pub fn new(cfg: FetchConfig) -> Result<Self, FetchSetupError> {
@@ -216,17 +253,73 @@ impl PeerFetcher {
         }
     }
 
-    async fn get<T>(
+    /// `GET {base}/internal/kv_snapshot` for the bootstrap sweep: the raw answer, classified,
+    /// with `timeout_ms` (when given) as this fetch's whole budget instead of the client's.
+    pub async fn fetch_snapshot_answer(
+        &self,
+        base_url: &str,
+        model: Option<&str>,
+        max_age_ms: Option<u64>,
+        timeout_ms: Option<u64>,
+    ) -> SnapshotAnswer {
+        let mut query: Vec<(&str, String)> = Vec::new();
+        if let Some(m) = model {
+            query.push(("model", m.to_string()));
+        }
+        if let Some(a) = max_age_ms {
+            query.push(("max_age_ms", a.to_string()));
+        }
+        let (url, resp) = match self
+            .send(
+                base_url,
+                KV_SNAPSHOT_PATH,
+                &query,
+                BINARY_CONTENT_TYPE,
+                timeout_ms,
+            )
+            .await
+        {
+            Ok(sent) => sent,
+            Err(reason) => return SnapshotAnswer::Unreachable(reason),
+        };
+        match resp.status().as_u16() {
+            200 => match read_body::<()>(&url, resp, self.cfg.max_bytes).await {
+                Ok(raw) => SnapshotAnswer::Response(SnapshotResponse {
+                    bytes: raw.bytes,
+                    content_type: raw.content_type,
+                    content_encoding: raw.content_encoding,
+                    age_ms: raw.age_ms,
+                }),
+                Err(FetchOutcome::TooLarge { limit_bytes }) => {
+                    SnapshotAnswer::TooLarge { limit_bytes }
+                }
+                Err(other) => SnapshotAnswer::Unreachable(format!("{url}: {other:?}")),
+            },
+            404 => SnapshotAnswer::NoSnapshot,
+            429 => SnapshotAnswer::Busy,
+            503 => match refusal_code(resp).await.as_deref() {
+                Some("index_not_ready") => SnapshotAnswer::NoSnapshot,
+                Some("busy") => SnapshotAnswer::Busy,
+                code => SnapshotAnswer::Unreachable(format!(
+                    "{url}: 503 {}",
+                    code.unwrap_or("without an error code")
+                )),
+            },
+            status => SnapshotAnswer::Unreachable(format!("{url}: status {status}")),
+        }
+    }
+
+    async fn send(
         &self,
         base_url: &str,
         path: &str,
         query: &[(&str, String)],
         accept: &str,
-        max_bytes: usize,
-    ) -> Result<RawBody, FetchOutcome<T>> {
+        timeout_ms: Option<u64>,
+    ) -> Result<(reqwest::Url, reqwest::Response), String> {
         let raw_url = format!("{}{path}", base_url.trim_end_matches('/'));
-        let mut url = reqwest::Url::parse(&raw_url)
-            .map_err(|e| FetchOutcome::Unreachable(format!("bad peer URL {raw_url}: {e}")))?;
+        let mut url =
+            reqwest::Url::parse(&raw_url).map_err(|e| format!("bad peer URL {raw_url}: {e}"))?;
         if !query.is_empty() {
             let mut pairs = url.query_pairs_mut();
             for (k, v) in query {
@@ -238,53 +331,93 @@ impl PeerFetcher {
             .get(url.clone())
             .header(header::ACCEPT, accept)
             .header(header::ACCEPT_ENCODING, "zstd, gzip");
+        if let Some(ms) = timeout_ms {
+            req = req.timeout(Duration::from_millis(ms));
+        }
         if let Some(auth) = &self.authorization {
             req = req.header(header::AUTHORIZATION, auth.clone());
         }
-        let mut resp = req
-            .send()
+        let resp = req.send().await.map_err(|e| format!("{url}: {e}"))?;
+        Ok((url, resp))
+    }
+
+    async fn get<T>(
+        &self,
+        base_url: &str,
+        path: &str,
+        query: &[(&str, String)],
+        accept: &str,
+        max_bytes: usize,
+    ) -> Result<RawBody, FetchOutcome<T>> {
+        let (url, resp) = self
+            .send(base_url, path, query, accept, None)
             .await
-            .map_err(|e| FetchOutcome::Unreachable(format!("{url}: {e}")))?;
+            .map_err(FetchOutcome::Unreachable)?;
         if resp.status() != reqwest::StatusCode::OK {
             return Err(FetchOutcome::Status(resp.status().as_u16()));
         }
-        if resp
-            .content_length()
-            .is_some_and(|len| len > max_bytes as u64)
-        {
-            return Err(FetchOutcome::TooLarge {
-                limit_bytes: max_bytes,
-            });
-        }
-        let header_str = |name: header::HeaderName| {
-            resp.headers()
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .map(|v| v.trim().to_ascii_lowercase())
-        };
-        let content_type = header_str(header::CONTENT_TYPE).unwrap_or_default();
-        let content_encoding = header_str(header::CONTENT_ENCODING);
-        let mut bytes = Vec::new();
-        loop {
-            match resp.chunk().await {
-                Ok(Some(chunk)) => {
-                    if bytes.len().saturating_add(chunk.len()) > max_bytes {
-                        return Err(FetchOutcome::TooLarge {
-                            limit_bytes: max_bytes,
-                        });
-                    }
-                    bytes.extend_from_slice(&chunk);
-                }
-                Ok(None) => break,
-                Err(e) => return Err(FetchOutcome::Unreachable(format!("{url}: body: {e}"))),
-            }
-        }
-        Ok(RawBody {
-            bytes,
-            content_type,
-            content_encoding,
-        })
+        read_body(&url, resp, max_bytes).await
     }
+}
+
+/// Reads a 200's body, size-checked on Content-Length and on every chunk.
+async fn read_body<T>(
+    url: &reqwest::Url,
+    mut resp: reqwest::Response,
+    max_bytes: usize,
+) -> Result<RawBody, FetchOutcome<T>> {
+    if resp
+        .content_length()
+        .is_some_and(|len| len > max_bytes as u64)
+    {
+        return Err(FetchOutcome::TooLarge {
+            limit_bytes: max_bytes,
+        });
+    }
+    let header_str = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.trim().to_ascii_lowercase())
+    };
+    let content_type = header_str(header::CONTENT_TYPE.as_str()).unwrap_or_default();
+    let content_encoding = header_str(header::CONTENT_ENCODING.as_str());
+    let age_ms = header_str(SNAPSHOT_AGE_HEADER).and_then(|v| v.parse().ok());
+    let mut bytes = Vec::new();
+    loop {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => {
+                if bytes.len().saturating_add(chunk.len()) > max_bytes {
+                    return Err(FetchOutcome::TooLarge {
+                        limit_bytes: max_bytes,
+                    });
+                }
+                bytes.extend_from_slice(&chunk);
+            }
+            Ok(None) => break,
+            Err(e) => return Err(FetchOutcome::Unreachable(format!("{url}: body: {e}"))),
+        }
+    }
+    Ok(RawBody {
+        bytes,
+        content_type,
+        content_encoding,
+        age_ms,
+    })
+}
+
+/// The `error.code` of a refusal's JSON body, read under [`REFUSAL_BODY_MAX_BYTES`].
+async fn refusal_code(mut resp: reqwest::Response) -> Option<String> {
+    let mut body = Vec::new();
+    while let Ok(Some(chunk)) = resp.chunk().await {
+        let room = REFUSAL_BODY_MAX_BYTES.saturating_sub(body.len());
+        body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if body.len() >= REFUSAL_BODY_MAX_BYTES {
+            break;
+        }
+    }
+    let value: serde_json::Value = serde_json::from_slice(&body).ok()?;
+    value["error"]["code"].as_str().map(str::to_string)
 }
 
 /// Undoes `Content-Encoding` under the byte limit.
