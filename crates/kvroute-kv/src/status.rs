@@ -1,7 +1,7 @@
 //! The per-rank status table that `KvPlane::rank_states` reads.
 //!
 //! Two writers feed it (the rank's subscriber task: connection state; the pump: cursor, counters,
-//! replaying) and the router's admin endpoints read it; a small lock is enough because updates are
+//! replaying, bootstrap state and held amounts) and the router's admin endpoints read it; a small lock is enough because updates are
 //! per batch at most and never held across an await. Every update names the incarnation it speaks
 //! for, so a subscriber of a removed registration cannot resurrect or overwrite a newer one.
 

@@ -128,6 +128,13 @@ impl PumpDriver {
         assert!(self.tx.send(msg).await.is_ok(), "the pump stopped");
     }
 
+    /// A handle that feeds batches from another task.
+    pub fn sender(&self) -> PumpSender {
+        PumpSender {
+            tx: self.tx.clone(),
+        }
+    }
+
     /// Registers a rank (as `KvPlane` does: status entry first, then the pump) and waits for it.
     pub async fn add_rank(&self, key: &RankKey, incarnation: u64, bootstrap: bool) {
         self.status.insert(key.clone(), DRIVER_MODEL, incarnation);
@@ -166,6 +173,19 @@ impl PumpDriver {
         for key in keys {
             self.status.remove(&key);
         }
+    }
+
+    /// Enqueues the removal of every rank of `url` without waiting for it; the receiver
+    /// completes once the pump has removed them (for a test that must let the pump go on only
+    /// after the removal is queued).
+    pub async fn enqueue_remove(&self, url: &str) -> oneshot::Receiver<()> {
+        let (done, rx) = oneshot::channel();
+        self.send(PumpMsg::RemoveRanks {
+            url: Arc::from(url),
+            done,
+        })
+        .await;
+        rx
     }
 
     /// Returns once everything sent before has been handled (the channel is FIFO).
@@ -244,6 +264,24 @@ impl PumpDriver {
             .snapshot()
             .into_iter()
             .find(|s| *s.worker_url == *key.url && s.dp_rank == key.dp_rank)
+    }
+}
+
+/// Feeds batches to a [`PumpDriver`]'s pump from another task.
+#[derive(Clone)]
+pub struct PumpSender {
+    tx: mpsc::Sender<PumpMsg>,
+}
+
+impl PumpSender {
+    pub async fn batch(&self, key: &RankKey, incarnation: u64, seq: i64, batch: EventBatch) {
+        let msg = PumpMsg::Batch {
+            key: key.clone(),
+            incarnation,
+            seq,
+            batch,
+        };
+        assert!(self.tx.send(msg).await.is_ok(), "the pump stopped");
     }
 }
 

@@ -296,6 +296,51 @@ enum Seen {
     Applied(String, i64),
 }
 
+/// Holds the pump after each graft slice (inside the slice observer, so the pump is between two
+/// slices) until the test lets one more slice go, while closed. Lets a test put a message in
+/// the channel at a known point of the graft without racing it.
+struct Gate {
+    closed: std::sync::atomic::AtomicBool,
+    tokens: Mutex<std::sync::mpsc::Receiver<()>>,
+    sender: Mutex<std::sync::mpsc::Sender<()>>,
+    slices: std::sync::atomic::AtomicU64,
+}
+
+impl Gate {
+    fn new() -> Arc<Gate> {
+        let (sender, tokens) = std::sync::mpsc::channel();
+        Arc::new(Gate {
+            closed: true.into(),
+            tokens: Mutex::new(tokens),
+            sender: Mutex::new(sender),
+            slices: 0.into(),
+        })
+    }
+
+    /// The slice observer: counts, then waits for a token while the gate is closed.
+    fn after_slice(&self) {
+        self.slices
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            let _ = self.tokens.lock().recv();
+        }
+    }
+
+    fn slices(&self) -> u64 {
+        self.slices.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn one_more(&self) {
+        let _ = self.sender.lock().send(());
+    }
+
+    fn open(&self) {
+        self.closed
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        self.one_more();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_of_another_rank_are_applied_between_two_graft_slices() {
     let log: Arc<Mutex<Vec<Seen>>> = Arc::default();
@@ -306,7 +351,12 @@ async fn batches_of_another_rank_are_applied_between_two_graft_slices() {
     cfg.on_apply = Some(Arc::new(move |k: &RankKey, seq| {
         on_apply.lock().push(Seen::Applied(k.url.to_string(), seq));
     }));
-    cfg.on_slice = Some(Arc::new(move |_| on_slice.lock().push(Seen::Slice)));
+    let gate = Gate::new();
+    let held_gate = gate.clone();
+    cfg.on_slice = Some(Arc::new(move |_| {
+        on_slice.lock().push(Seen::Slice);
+        held_gate.after_slice();
+    }));
     let mut d = PumpDriver::start(cfg);
     let (booting, live) = (key("http://booting"), key("http://live"));
     let mut sibling = Sibling::new();
@@ -318,11 +368,9 @@ async fn batches_of_another_rank_are_applied_between_two_graft_slices() {
     d.batch(&booting, 2, 200, store(200, 16)).await;
     let receipt = d.graft(sibling.plan(), vec![target(&booting, 2)]).await;
     assert_eq!(receipt.ranks[0].1, GraftDisposition::Taken);
-    wait_until("the first graft slice", || {
-        log.lock().contains(&Seen::Slice)
-    })
-    .await;
+    wait_until("the first graft slice", || gate.slices() >= 1).await;
     d.batch(&live, 1, 0, store(5_000, 2)).await;
+    gate.open();
     assert_eq!(
         next_event(&mut d).await,
         finished(&booting, 2, BootstrapOutcome::Warm)
@@ -352,11 +400,11 @@ async fn batches_of_another_rank_are_applied_between_two_graft_slices() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remove_worker_mid_graft_leaves_no_carrier_of_that_rank() {
-    let slices = Arc::new(Mutex::new(0u64));
+    let gate = Gate::new();
     let mut cfg = DriverConfig::new(BLOCK_SIZE);
     cfg.graft_slice_items = 16;
-    let counter = slices.clone();
-    cfg.on_slice = Some(Arc::new(move |_| *counter.lock() += 1));
+    let held_gate = gate.clone();
+    cfg.on_slice = Some(Arc::new(move |_| held_gate.after_slice()));
     let mut d = PumpDriver::start(cfg);
     let (gone, kept) = (key("http://gone"), key("http://kept"));
     let mut sibling = Sibling::new();
@@ -381,8 +429,13 @@ async fn remove_worker_mid_graft_leaves_no_carrier_of_that_rank() {
             .iter()
             .all(|(_, d)| *d == GraftDisposition::Taken)
     );
-    wait_until("a few graft slices", || *slices.lock() >= 3).await;
-    d.remove("http://gone").await;
+    for _ in 0..3 {
+        gate.one_more();
+    }
+    wait_until("a few graft slices", || gate.slices() >= 4).await;
+    let removed = d.enqueue_remove("http://gone").await;
+    gate.open();
+    removed.await.expect("the pump acknowledges");
     assert!(
         d.reader.ranks().iter().all(|(_, r)| *r != rank_ref(&gone)),
         "the removed rank is still registered"
@@ -711,4 +764,48 @@ async fn a_graft_offered_while_another_runs_waits_its_turn_and_both_splice() {
         assert_eq!(depth(&d.reader, &a, seq, 4), 4);
         assert_eq!(depth(&d.reader, &b, 500 + seq, 4), 4);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_queued_behind_a_graft_past_their_bound_finish_the_graft_at_once() {
+    let gate = Gate::new();
+    let mut cfg = DriverConfig::new(BLOCK_SIZE);
+    // One item per slice, and one slice per token: the graft cannot end by itself while the
+    // test sends (it needs over a thousand slices; the test lets a few dozen go).
+    cfg.graft_slice_items = 1;
+    let held_gate = gate.clone();
+    cfg.on_slice = Some(Arc::new(move |_| held_gate.after_slice()));
+    let mut d = PumpDriver::start(cfg);
+    let w = key("http://w");
+    let mut sibling = Sibling::new();
+    for seq in 0..100 {
+        sibling.apply(&w, seq, &store(seq as u64, 8));
+    }
+    d.add_rank(&w, 1, true).await;
+    d.batch(&w, 1, 100, store(100, 1)).await;
+    let receipt = d.graft(sibling.plan(), vec![target(&w, 1)]).await;
+    assert_eq!(receipt.ranks[0].1, GraftDisposition::Taken);
+    let last = 100 + kvroute_kv::GRAFT_DEFERRED_ACTIONS_MAX as i64 + 1;
+    for seq in 101..=last {
+        d.batch(&w, 1, seq, store(seq as u64, 1)).await;
+        if seq % 512 == 0 {
+            gate.one_more();
+        }
+    }
+    let gated_slices = gate.slices();
+    gate.open();
+    assert!(
+        gated_slices < 100,
+        "{gated_slices} slices ran while sending"
+    );
+    assert_eq!(
+        next_event(&mut d).await,
+        finished(&w, 1, BootstrapOutcome::Warm)
+    );
+    d.barrier().await;
+    assert_eq!(cursor(&d.reader, &w), Some(last));
+    assert_eq!(depth(&d.reader, &w, 99, 8), 8);
+    assert_eq!(depth(&d.reader, &w, last as u64, 1), 1);
+    let status = d.status(&w).expect("status");
+    assert_eq!((status.held_batches, status.held_bytes), (0, 0));
 }
