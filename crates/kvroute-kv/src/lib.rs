@@ -34,7 +34,8 @@ pub use discovery::{
 pub use plane::{KvPlane, KvPlaneConfig, KvPlaneError, ModelView};
 pub use pump::{
     GRAFT_DEFERRED_ACTIONS_MAX, GRAFT_DEFERRED_MAX_BYTES, GRAFT_MSGS_BETWEEN_SLICES_MAX,
-    GRAFTS_QUEUED_MAX, PUMP_CHANNEL_CAPACITY,
+    GRAFTS_QUEUED_MAX, PUMP_CHANNEL_CAPACITY, SIDE_MAP_PREGROW_ENTRIES_MIN,
+    SIDE_MAP_PREGROW_SPACING_MS,
 };
 pub use status::RankKey;
 pub use status::{RankStatus, SubscriberState};

@@ -62,6 +62,19 @@ pub const GRAFT_DEFERRED_MAX_BYTES: u64 = 2 * crate::rank_state::BOOTSTRAP_HELD_
 /// channel cannot stop the graft from progressing.
 pub const GRAFT_MSGS_BETWEEN_SLICES_MAX: usize = 1024;
 
+/// Side maps below this many entries grow inside `apply_batch` as they fill: their rehash is
+/// cheap (about a millisecond).
+pub const SIDE_MAP_PREGROW_ENTRIES_MIN: usize = 16_384;
+
+/// Least time between two side-map growth steps the pump takes ahead of need. Each step of a
+/// large rank stalls the pump for milliseconds (a rehash that reads every entry's node); ranks
+/// of one size fed at one rate would otherwise all step within the same few milliseconds and
+/// stall it for their sum. Taking the steps a little early (within an eighth of capacity, which
+/// a map sized for its entries, as a graft leaves it, is not yet) and spaced out turns that into
+/// separate stalls. The spacing is above one step of a 100,000-entry rank (15-35 ms measured),
+/// so the pump catches up between two steps.
+pub const SIDE_MAP_PREGROW_SPACING_MS: u64 = 50;
+
 /// Called with each batch the pump applies (rank, seq); benchmarks time the apply path with it.
 pub type ApplyObserver = Arc<dyn Fn(&RankKey, i64) + Send + Sync>;
 
@@ -205,6 +218,7 @@ pub(crate) struct Pump<S: KvSource> {
     /// Events the service's channel had no room for yet, in order; the run loop delivers them
     /// before it takes another message (back-pressure). At most what one message produced.
     unsent: VecDeque<BootstrapEvent>,
+    last_pregrow: Option<Instant>,
 }
 
 impl<S: KvSource> Pump<S> {
@@ -233,6 +247,7 @@ impl<S: KvSource> Pump<S> {
             graft: None,
             queued_grafts: VecDeque::new(),
             unsent: VecDeque::new(),
+            last_pregrow: None,
         }
     }
 
@@ -468,7 +483,9 @@ impl<S: KvSource> Pump<S> {
                 .abandon_graft_rank(&mut active.job, rank.rank_id);
             if active.ranks.is_empty() {
                 // Nothing left to graft: the rest of the job would only visit nodes.
-                self.graft = None;
+                if let Some(active) = self.graft.take() {
+                    drop_off_pump(active.job);
+                }
                 self.metrics.grafts.with_label_values(&["abandoned"]).inc();
             }
         }
@@ -650,12 +667,14 @@ impl<S: KvSource> Pump<S> {
                 skipped_nodes = report.skipped_nodes, evicted = report.evicted_carriers,
                 ms = active.started.elapsed().as_millis() as u64, "graft completed");
         }
-        for (key, deferred) in active.ranks {
+        let ActiveGraft { job, ranks, .. } = active;
+        for (key, deferred) in ranks {
             let mut actions = std::mem::take(&mut self.actions);
             actions.extend(deferred.actions);
             self.actions = actions;
             self.execute(&key);
         }
+        drop_off_pump(job);
         self.start_queued_graft();
     }
 
@@ -680,6 +699,7 @@ impl<S: KvSource> Pump<S> {
             return;
         };
         let mut events = Vec::new();
+        let mut applied = false;
         for action in self.actions.drain(..) {
             match action {
                 Action::Apply { seq, batch } => {
@@ -693,6 +713,7 @@ impl<S: KvSource> Pump<S> {
                     }
                     self.writer.apply_batch(rank.rank_id, seq, &batch);
                     self.metrics.batches_applied.inc();
+                    applied = true;
                     if let Some(observe) = &self.cfg.on_apply {
                         observe(key, seq);
                     }
@@ -818,13 +839,31 @@ impl<S: KvSource> Pump<S> {
                     .set(blocks as i64);
             }
         }
-        let bootstrap = rank.bootstrap;
+        let (bootstrap, rank_id) = (rank.bootstrap, rank.rank_id);
+        if applied {
+            self.pregrow_side_map(rank_id);
+        }
         for ev in events {
             self.emit(ev);
         }
         if bootstrap {
             self.publish_bootstrap(key);
         }
+    }
+
+    /// Takes the rank's next side-map growth step now if it is near (see
+    /// `SIDE_MAP_PREGROW_SPACING_MS`), unless another rank took one too recently.
+    fn pregrow_side_map(&mut self, rank: RankId) {
+        let Some((room, entries)) = self.writer.side_map_room(rank) else {
+            return;
+        };
+        let near = entries >= SIDE_MAP_PREGROW_ENTRIES_MIN && room * 8 <= room + entries;
+        let spacing = Duration::from_millis(SIDE_MAP_PREGROW_SPACING_MS);
+        if !near || self.last_pregrow.is_some_and(|t| t.elapsed() < spacing) {
+            return;
+        }
+        self.writer.grow_side_map(rank);
+        self.last_pregrow = Some(Instant::now());
     }
 
     /// Mirrors a bootstrapping rank's state and held amounts into the status table and gauges.
@@ -875,6 +914,18 @@ impl<S: KvSource> Pump<S> {
             .bootstrap_held_bytes
             .with_label_values(&model)
             .add(after.1 as i64 - before.1 as i64);
+    }
+}
+
+/// Frees a graft job (the snapshot and its per-node tables: hundreds of MB for a fleet-sized
+/// snapshot) on a blocking thread: handing that much memory back to the OS takes tens of
+/// milliseconds in which the pump would apply nothing.
+fn drop_off_pump(job: GraftJob) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn_blocking(move || drop(job));
+        }
+        Err(_) => drop(job),
     }
 }
 
