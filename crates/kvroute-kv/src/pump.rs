@@ -23,6 +23,13 @@
 //! done. That queue is bounded (`GRAFT_DEFERRED_ACTIONS_MAX`, `GRAFT_DEFERRED_MAX_BYTES`); a rank
 //! that outgrows it makes the pump finish the job at once, trading one long stall for bounded
 //! memory. A second graft that arrives while one runs waits its turn (`GRAFTS_QUEUED_MAX`).
+//! A finished job is freed on a blocking thread, because returning a fleet-sized snapshot's
+//! memory takes longer than a slice.
+//!
+//! Two other stalls of the writer are the pump's to schedule: a rank's side map grows by a
+//! rehash that reads every entry's node (milliseconds for a large rank), and ranks of one size
+//! fed at one rate would all grow within the same few milliseconds. The pump takes those steps a
+//! little ahead of need, one rank at a time (`SIDE_MAP_PREGROW_SPACING_MS`).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
