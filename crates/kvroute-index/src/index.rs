@@ -1044,6 +1044,26 @@ impl IndexWriter {
         }
     }
 
+    /// `(room, entries)` of `rank`'s side map: inserts it takes before its next growth step, and
+    /// entries it holds. `None` for an unknown rank.
+    pub fn side_map_room(&self, rank: RankId) -> Option<(usize, usize)> {
+        let wr = self.ranks.get(rank.0 as usize)?.as_ref()?;
+        Some((wr.side.capacity() - wr.side.len(), wr.side.len()))
+    }
+
+    /// Takes `rank`'s next side-map growth step now. A step rehashes every entry by reading its
+    /// node (the key lives there), which costs milliseconds for a large rank; the step would
+    /// otherwise run inside whichever `apply_batch` crosses the threshold, and ranks of one size
+    /// fed at one rate cross it together, stalling the writer for several steps in a row. This
+    /// lets the writer's owner run them one at a time, ahead of need.
+    pub fn grow_side_map(&mut self, rank: RankId) {
+        let shared = self.shared.clone();
+        if let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) {
+            let room = wr.side.capacity() - wr.side.len();
+            side_reserve(&mut wr.side, room + 1, &shared, rank.0);
+        }
+    }
+
     /// Applies every event, evicts if over the cap, then records `(seq, batch.ts)` as the rank's
     /// cursor (last, so an exporter that sees the new cursor also sees the events' effects).
     pub fn apply_batch(&mut self, rank: RankId, seq: i64, batch: &EventBatch) -> ApplyReport {

@@ -56,6 +56,33 @@ fn a_child_store_extends_its_parent_chain_through_the_side_map() {
 }
 
 #[test]
+fn a_side_map_grown_ahead_of_need_keeps_every_entry_reachable() {
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let a = w.add_rank(rank_ref(0));
+    let t = tokens(2, 5, BS);
+    w.apply_event(a, &stored(&[1, 2], None, t[..8].to_vec(), BS, None));
+    let (room, entries) = w.side_map_room(a).expect("registered");
+    assert_eq!(entries, 2);
+    w.grow_side_map(a);
+    let (grown_room, grown_entries) = w.side_map_room(a).expect("registered");
+    assert_eq!(grown_entries, 2);
+    assert!(grown_room > room, "{grown_room} <= {room}");
+    // The parent is still found through the rehashed map, and a removal still finds its block.
+    w.apply_event(a, &stored(&[3, 4, 5], Some(2), t[8..].to_vec(), BS, None));
+    assert_eq!(match_of(&r, &hashes_of(&t, BS), a), (5, 5));
+    w.apply_event(
+        a,
+        &KvEvent::BlockRemoved(kvroute_wire::event::BlockRemoved {
+            block_hashes: vec![kvroute_wire::EngineHash(2)],
+            medium: None,
+            group_idx: None,
+        }),
+    );
+    assert_eq!(match_of(&r, &hashes_of(&t, BS), a), (1, 1));
+    assert_eq!(w.side_map_room(RankId(99)), None);
+}
+
+#[test]
 fn blocks_with_an_unknown_parent_are_dropped_and_counted() {
     let (mut w, r) = PrefixIndex::new(cfg());
     let a = w.add_rank(rank_ref(0));

@@ -6,11 +6,13 @@
 //! * `subscriber`: one background task per rank that connects, decodes and forwards;
 //! * [`rank_state`]: the pure per-rank sequencing machine (duplicates, gaps, restarts, replay);
 //! * `pump`: the single writer of each model's index, executing the machine's decisions;
-//! * [`plane`]: the [`KvPlane`] handle the router uses.
+//! * [`plane`]: the [`KvPlane`] handle the router uses;
+//! * [`bootstrap`]: what the plane and the service's peer-bootstrap task say to each other.
 //!
 //! Sockets live in subscriber and replay tasks; exactly one task per model (the pump) writes that
 //! model's index, so the index needs no write-side locking protocol beyond its own shard locks.
 
+pub mod bootstrap;
 pub mod discovery;
 pub mod metrics;
 pub mod plane;
@@ -18,11 +20,22 @@ mod pump;
 pub mod rank_state;
 pub mod status;
 mod subscriber;
+#[doc(hidden)]
+pub mod testing;
 pub mod transport;
 
+pub use bootstrap::{
+    BOOTSTRAP_EVENTS_CAPACITY, BootstrapEvent, BootstrapState, GraftDisposition, GraftReceipt,
+    GraftTarget,
+};
 pub use discovery::{
     DiscoveryError, KvEventsConfig, WorkerInfo, fetch_worker_info, kv_config_from_template,
 };
 pub use plane::{KvPlane, KvPlaneConfig, KvPlaneError, ModelView};
-pub use pump::PUMP_CHANNEL_CAPACITY;
+pub use pump::{
+    GRAFT_DEFERRED_ACTIONS_MAX, GRAFT_DEFERRED_MAX_BYTES, GRAFT_MSGS_BETWEEN_SLICES_MAX,
+    GRAFTS_QUEUED_MAX, PUMP_CHANNEL_CAPACITY, SIDE_MAP_PREGROW_ENTRIES_MIN,
+    SIDE_MAP_PREGROW_SPACING_MS,
+};
+pub use status::RankKey;
 pub use status::{RankStatus, SubscriberState};

@@ -4,8 +4,11 @@
 //! would multiply series by fleet size for little diagnostic gain: per-rank detail is served by
 //! `KvPlane::rank_states`. Only the two things an operator reads per rank (subscriber state,
 //! carried blocks per tier) are per-rank gauges, and their series are deleted with the worker.
+//! Bootstrap holds are gauged per model, the unit that owns a pump and its memory.
 
-use prometheus::{IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
+};
 
 #[derive(Clone)]
 pub struct KvMetrics {
@@ -20,7 +23,18 @@ pub struct KvMetrics {
     pub block_size_mismatch: IntCounter,
     pub subscriber_state: IntGaugeVec,
     pub carried_blocks: IntGaugeVec,
+    pub bootstrap_outcomes: IntCounterVec,
+    pub bootstrap_held_batches: IntGaugeVec,
+    pub bootstrap_held_bytes: IntGaugeVec,
+    pub grafts: IntCounterVec,
+    pub graft_slice_seconds: Histogram,
 }
+
+/// Bucket bounds of the graft slice histogram, in seconds: a slice is meant to take a few
+/// milliseconds, and the interesting tail is how close it comes to the 50 ms live-apply budget.
+pub const GRAFT_SLICE_BUCKETS_SECONDS: [f64; 10] = [
+    0.000_5, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.050, 0.100, 0.250,
+];
 
 pub const TIER_LABELS: [&str; 4] = ["device", "host", "disk", "external"];
 
@@ -83,6 +97,41 @@ impl KvMetrics {
                 ),
                 &["worker", "dp_rank", "tier"],
             )?,
+            bootstrap_outcomes: IntCounterVec::new(
+                Opts::new(
+                    "kvroute_kv_bootstrap_outcomes_total",
+                    "Rank bootstraps settled, by outcome (warm, warm_unwitnessed, gap, uncovered, abandoned, overflow, publisher_reset, rejected, from_origin, empty, from_engine_replay).",
+                ),
+                &["outcome"],
+            )?,
+            bootstrap_held_batches: IntGaugeVec::new(
+                Opts::new(
+                    "kvroute_kv_bootstrap_held_batches",
+                    "Live batches held back from the index by bootstrapping ranks (held, or queued behind a running graft).",
+                ),
+                &["model"],
+            )?,
+            bootstrap_held_bytes: IntGaugeVec::new(
+                Opts::new(
+                    "kvroute_kv_bootstrap_held_bytes",
+                    "Estimated bytes of the live batches held back from the index by bootstrapping ranks.",
+                ),
+                &["model"],
+            )?,
+            grafts: IntCounterVec::new(
+                Opts::new(
+                    "kvroute_kv_grafts_total",
+                    "Snapshot grafts, by result (completed, rejected, failed, abandoned).",
+                ),
+                &["result"],
+            )?,
+            graft_slice_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvroute_kv_graft_slice_seconds",
+                    "Duration of one graft slice on the pump (live batches of other ranks wait at most about one slice).",
+                )
+                .buckets(GRAFT_SLICE_BUCKETS_SECONDS.to_vec()),
+            )?,
         };
         registry.register(Box::new(m.events_applied.clone()))?;
         registry.register(Box::new(m.batches_applied.clone()))?;
@@ -95,6 +144,11 @@ impl KvMetrics {
         registry.register(Box::new(m.block_size_mismatch.clone()))?;
         registry.register(Box::new(m.subscriber_state.clone()))?;
         registry.register(Box::new(m.carried_blocks.clone()))?;
+        registry.register(Box::new(m.bootstrap_outcomes.clone()))?;
+        registry.register(Box::new(m.bootstrap_held_batches.clone()))?;
+        registry.register(Box::new(m.bootstrap_held_bytes.clone()))?;
+        registry.register(Box::new(m.grafts.clone()))?;
+        registry.register(Box::new(m.graft_slice_seconds.clone()))?;
         Ok(m)
     }
 

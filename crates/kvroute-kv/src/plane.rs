@@ -10,21 +10,31 @@
 //! Registration and removal are serialised by an async admin lock so a concurrent add and remove
 //! of one URL cannot interleave their pump acknowledgements; reads (`model_view`, `rank_states`,
 //! `engine_load`) take only short synchronous locks and never wait on the admin lock.
+//!
+//! Peer bootstrap (see [`crate::bootstrap`]) is opt-in per registration
+//! ([`KvPlane::add_worker_bootstrapping`]); the service drives it through the `graft`,
+//! `release_rank`, `answer_probe` and `rebuild_from_engine` methods, which only enqueue pump
+//! messages, and reads what the pumps report from the one events channel it takes at startup.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-use kvroute_index::{IndexConfig, IndexReader, PrefixIndex};
+use kvroute_index::{GRAFT_SLICE_ITEMS_MAX, GraftPlan, IndexConfig, IndexReader, PrefixIndex};
 use kvroute_wire::LoadStat;
 use parking_lot::RwLock;
 use tokio::sync::{Mutex, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::bootstrap::{
+    BOOTSTRAP_EVENTS_CAPACITY, BootstrapEvent, GraftReceipt, GraftTarget, SPLICE_PROBE_INTERVAL_MS,
+};
 use crate::discovery::{DiscoveryError, KvEventsConfig};
 use crate::metrics::KvMetrics;
-use crate::pump::{PUMP_CHANNEL_CAPACITY, Pump, PumpMsg};
+use crate::pump::{PUMP_CHANNEL_CAPACITY, Pump, PumpConfig, PumpMsg};
+use crate::rank_state::BootstrapOutcome;
 use crate::status::{RankKey, RankStatus, StatusTable};
 use crate::subscriber::{SubscriberCtx, run_kv_subscriber, run_load_subscriber};
 use crate::transport::ZmqSource;
@@ -41,6 +51,11 @@ pub struct KvPlaneConfig {
     pub max_carried_blocks: usize,
     /// Block size used for workers that do not report one (vLLM, or SGLang without a page size).
     pub default_block_size: Option<u32>,
+    /// Work per graft slice (see `kvroute_index::IndexWriter::graft_step`): what a live batch of
+    /// another rank may wait behind while a snapshot is grafted.
+    pub graft_slice_items: usize,
+    /// Pause before each sibling-cursor probe of a deferred splice proof.
+    pub splice_probe_interval_ms: u64,
 }
 
 impl Default for KvPlaneConfig {
@@ -49,6 +64,8 @@ impl Default for KvPlaneConfig {
             shard_count: DEFAULT_SHARD_COUNT,
             max_carried_blocks: DEFAULT_CARRIED_BLOCKS_MAX,
             default_block_size: None,
+            graft_slice_items: GRAFT_SLICE_ITEMS_MAX,
+            splice_probe_interval_ms: SPLICE_PROBE_INTERVAL_MS,
         }
     }
 }
@@ -87,6 +104,12 @@ pub enum KvPlaneError {
     ShuttingDown,
     #[error("the pump of model {model} is gone")]
     PumpGone { model: String },
+    #[error(
+        "worker {url} asks for peer bootstrap but nobody took the bootstrap events (take_bootstrap_events)"
+    )]
+    BootstrapEventsNotTaken { url: String },
+    #[error("model {model} has no index")]
+    ModelNotFound { model: String },
 }
 
 struct ModelEntry {
@@ -114,6 +137,9 @@ struct Inner {
     loads: Arc<RwLock<HashMap<RankKey, LoadStat>>>,
     next_incarnation: AtomicU64,
     shutdown: CancellationToken,
+    events_tx: mpsc::Sender<BootstrapEvent>,
+    /// Handed out once; `None` afterwards.
+    events_rx: parking_lot::Mutex<Option<mpsc::Receiver<BootstrapEvent>>>,
 }
 
 /// The KV plane. Cheap to clone; all clones share one state.
@@ -125,6 +151,7 @@ pub struct KvPlane {
 impl KvPlane {
     pub fn new(cfg: KvPlaneConfig, metrics: &prometheus::Registry) -> Result<Self, KvPlaneError> {
         let metrics = KvMetrics::register(metrics)?;
+        let (events_tx, events_rx) = mpsc::channel(BOOTSTRAP_EVENTS_CAPACITY);
         Ok(Self {
             inner: Arc::new(Inner {
                 cfg,
@@ -136,6 +163,8 @@ impl KvPlane {
                 loads: Arc::new(RwLock::new(HashMap::new())),
                 next_incarnation: AtomicU64::new(1),
                 shutdown: CancellationToken::new(),
+                events_tx,
+                events_rx: parking_lot::Mutex::new(Some(events_rx)),
             }),
         })
     }
@@ -148,6 +177,145 @@ impl KvPlane {
         url: &str,
         model: &str,
         kv: KvEventsConfig,
+    ) -> Result<u64, KvPlaneError> {
+        self.register(url, model, kv, false).await
+    }
+
+    /// [`Self::add_worker`] for a worker whose ranks bootstrap from a sibling's snapshot: each
+    /// rank holds its live batches until the service grafts a snapshot
+    /// ([`Self::graft`]) or releases it ([`Self::release_rank`]), and each reports exactly one
+    /// [`BootstrapEvent::Finished`]. Refused until the bootstrap events were taken
+    /// ([`Self::take_bootstrap_events`]), since a rank whose reports nobody reads would hold
+    /// readiness (and, once the channel fills, the pump) forever.
+    pub async fn add_worker_bootstrapping(
+        &self,
+        url: &str,
+        model: &str,
+        kv: KvEventsConfig,
+    ) -> Result<u64, KvPlaneError> {
+        if self.inner.events_rx.lock().is_some() {
+            return Err(KvPlaneError::BootstrapEventsNotTaken {
+                url: url.to_string(),
+            });
+        }
+        self.register(url, model, kv, true).await
+    }
+
+    /// The pumps' bootstrap reports (bounded by `BOOTSTRAP_EVENTS_CAPACITY`; a full channel
+    /// makes the pumps wait). Handed out once; `None` afterwards. Drain it from a task that never
+    /// waits on the plane (see [`crate::bootstrap`]).
+    pub fn take_bootstrap_events(&self) -> Option<mpsc::Receiver<BootstrapEvent>> {
+        self.inner.events_rx.lock().take()
+    }
+
+    /// Offers a validated snapshot of `model`'s index (built off the pump with
+    /// `GraftPlan::new`) to `targets`. The pump grafts it, in slices, for the ranks that take it;
+    /// the receipt says what each rank did with the offer and arrives when the offer is made,
+    /// which can be after a graft already running completes. How each bootstrap ends comes as a
+    /// [`BootstrapEvent`].
+    pub async fn graft(
+        &self,
+        model: &str,
+        plan: GraftPlan,
+        targets: Vec<GraftTarget>,
+    ) -> Result<GraftReceipt, KvPlaneError> {
+        let tx = self.pump_of(model)?;
+        let (done, receipt) = oneshot::channel();
+        let gone = || KvPlaneError::PumpGone {
+            model: model.to_string(),
+        };
+        let msg = PumpMsg::Graft {
+            plan: Box::new(plan),
+            targets,
+            done,
+        };
+        tx.send(msg).await.map_err(|_| gone())?;
+        receipt.await.map_err(|_| gone())
+    }
+
+    /// Ends a holding (or rebuilding) rank's bootstrap without a graft, with the caller's reason
+    /// (`abandoned`, `uncovered`, `empty`, ...): its held batches apply and it runs cold. Ignored
+    /// for a rank in another phase (a graft in place is judged by its own proof), for a removed
+    /// rank and for an older incarnation.
+    pub async fn release_rank(
+        &self,
+        key: &RankKey,
+        incarnation: u64,
+        outcome: BootstrapOutcome,
+    ) -> Result<(), KvPlaneError> {
+        let msg = PumpMsg::Release {
+            key: key.clone(),
+            incarnation,
+            outcome,
+        };
+        self.send_to_rank(key, msg).await
+    }
+
+    /// The siblings' answer to a [`BootstrapEvent::ProbeSiblings`]: the highest cursor any of
+    /// them reports for the rank (`None` when none names it).
+    pub async fn answer_probe(
+        &self,
+        key: &RankKey,
+        incarnation: u64,
+        generation: u64,
+        highest: Option<i64>,
+    ) -> Result<(), KvPlaneError> {
+        let msg = PumpMsg::ProbeAnswer {
+            key: key.clone(),
+            incarnation,
+            generation,
+            highest,
+        };
+        self.send_to_rank(key, msg).await
+    }
+
+    /// No sibling is warm: rebuild the holding rank from its engine's replay buffer if that still
+    /// reaches back to seq 0, else (or without a replay socket) release it with `fallback`.
+    pub async fn rebuild_from_engine(
+        &self,
+        key: &RankKey,
+        incarnation: u64,
+        fallback: BootstrapOutcome,
+    ) -> Result<(), KvPlaneError> {
+        let msg = PumpMsg::EngineRebuild {
+            key: key.clone(),
+            incarnation,
+            fallback,
+        };
+        self.send_to_rank(key, msg).await
+    }
+
+    /// Sends `msg` to the pump of `key`'s model; a rank that is not registered is ignored, like a
+    /// stale incarnation is by the pump.
+    async fn send_to_rank(&self, key: &RankKey, msg: PumpMsg) -> Result<(), KvPlaneError> {
+        let Some(model) = self.inner.status.model_of(key) else {
+            tracing::debug!(worker = %key.url, dp_rank = key.dp_rank,
+                "bootstrap input for an unregistered rank ignored");
+            return Ok(());
+        };
+        let tx = self.pump_of(&model)?;
+        tx.send(msg)
+            .await
+            .map_err(|_| KvPlaneError::PumpGone { model })
+    }
+
+    fn pump_of(&self, model: &str) -> Result<mpsc::Sender<PumpMsg>, KvPlaneError> {
+        self.inner
+            .models
+            .read()
+            .get(model)
+            .map(|m| m.tx.clone())
+            .ok_or_else(|| KvPlaneError::ModelNotFound {
+                model: model.to_string(),
+            })
+    }
+
+    async fn register(
+        &self,
+        url: &str,
+        model: &str,
+        kv: KvEventsConfig,
+        bootstrap: bool,
     ) -> Result<u64, KvPlaneError> {
         let inner = &self.inner;
         let mut workers = inner.workers.lock().await;
@@ -201,6 +369,7 @@ impl KvPlane {
                 key: key.clone(),
                 incarnation,
                 replay_endpoint,
+                bootstrap,
                 done: done_tx,
             };
             let gone = || KvPlaneError::PumpGone {
@@ -244,6 +413,7 @@ impl KvPlane {
             block_size,
             dp_size = kv.dp_size,
             incarnation,
+            bootstrap,
             "worker registered with the KV plane"
         );
         workers.insert(
@@ -300,6 +470,14 @@ impl KvPlane {
             inner.status.clone(),
             inner.loads.clone(),
             inner.shutdown.child_token(),
+            PumpConfig {
+                model: Arc::from(model),
+                graft_slice_items: inner.cfg.graft_slice_items.max(1),
+                probe_interval: Duration::from_millis(inner.cfg.splice_probe_interval_ms),
+                events: inner.events_tx.clone(),
+                on_apply: None,
+                on_slice: None,
+            },
         );
         let handle = tokio::spawn(pump.run(rx));
         models.insert(

@@ -11,24 +11,82 @@
 //! machine's actions against the index, starts replay tasks, and mirrors state into metrics and
 //! the status table. Registration and removal also go through the channel with an acknowledgement,
 //! which is how `remove_worker` knows the ranks are gone from the index before it returns.
+//!
+//! **Peer bootstrap.** A sibling's snapshot is grafted here, because the graft must share nodes
+//! with the live ranks and only the writer may touch them. A one-shot graft of a fleet-sized
+//! snapshot would stop every other rank's live stream for about half a second, so the pump runs
+//! ONE graft job at a time in slices of `graft_slice_items`, and between two slices handles every
+//! message already waiting in its channel: a live batch of another rank waits for at most about
+//! one slice. The rank machine's contract is that a rank's graft completes before any later action
+//! of that rank runs; the pump keeps it by queueing the actions of a rank under graft (from the
+//! graft itself and from inputs arriving meanwhile) and running them, in order, when the job is
+//! done. That queue is bounded (`GRAFT_DEFERRED_ACTIONS_MAX`, `GRAFT_DEFERRED_MAX_BYTES`); a rank
+//! that outgrows it makes the pump finish the job at once, trading one long stall for bounded
+//! memory. A second graft that arrives while one runs waits its turn (`GRAFTS_QUEUED_MAX`).
+//! A finished job is freed on a blocking thread, because returning a fleet-sized snapshot's
+//! memory takes longer than a slice.
+//!
+//! Two other stalls of the writer are the pump's to schedule: a rank's side map grows by a
+//! rehash that reads every entry's node (milliseconds for a large rank), and ranks of one size
+//! fed at one rate would all grow within the same few milliseconds. The pump takes those steps a
+//! little ahead of need, one rank at a time (`SIDE_MAP_PREGROW_SPACING_MS`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use kvroute_index::{IndexWriter, RankId};
+use kvroute_index::{GraftJob, GraftPlan, GraftProgress, GraftReport, IndexWriter, RankId};
 use kvroute_wire::snapshot::RankRef;
 use kvroute_wire::{EventBatch, KvEvent, LoadStat};
 use parking_lot::RwLock;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use crate::bootstrap::{
+    BootstrapEvent, BootstrapState, GraftDisposition, GraftReceipt, GraftTarget,
+};
 use crate::metrics::{KvMetrics, TIER_LABELS};
-use crate::rank_state::{Action, Phase, RankMachine, ReplayAnswer};
+use crate::rank_state::{Action, BootstrapOutcome, HeldCost, Phase, RankMachine, ReplayAnswer};
 use crate::status::{RankKey, StatusTable};
 use crate::transport::KvSource;
 
 /// Messages queued to one model's pump before senders wait.
 pub const PUMP_CHANNEL_CAPACITY: usize = 4096;
+
+/// Grafts waiting behind the running one. Past this the running graft is finished at once: the
+/// coordinator delivers one fleet-wide graft at a time plus the odd gap retry, so a longer queue
+/// means the caller misbehaves, and memory (each graft holds a snapshot) must stay bounded.
+pub const GRAFTS_QUEUED_MAX: usize = 4;
+
+/// Actions one rank may queue behind its running graft: its held batches at graft time plus what
+/// arrives while the job runs.
+pub const GRAFT_DEFERRED_ACTIONS_MAX: usize = 2 * crate::rank_state::BOOTSTRAP_HELD_BATCHES_MAX;
+
+/// Estimated bytes ([`HeldCost`]) of the batches one rank may queue behind its running graft.
+pub const GRAFT_DEFERRED_MAX_BYTES: u64 = 2 * crate::rank_state::BOOTSTRAP_HELD_BYTES_MAX;
+
+/// Messages handled between two graft slices when the channel keeps delivering, so a flooded
+/// channel cannot stop the graft from progressing.
+pub const GRAFT_MSGS_BETWEEN_SLICES_MAX: usize = 1024;
+
+/// Side maps below this many entries grow inside `apply_batch` as they fill: their rehash is
+/// cheap (about a millisecond).
+pub const SIDE_MAP_PREGROW_ENTRIES_MIN: usize = 16_384;
+
+/// Least time between two side-map growth steps the pump takes ahead of need. Each step of a
+/// large rank stalls the pump for milliseconds (a rehash that reads every entry's node); ranks
+/// of one size fed at one rate would otherwise all step within the same few milliseconds and
+/// stall it for their sum. Taking the steps a little early (within an eighth of capacity, which
+/// a map sized for its entries, as a graft leaves it, is not yet) and spaced out turns that into
+/// separate stalls. The spacing is above one step of a 100,000-entry rank (15-35 ms measured),
+/// so the pump catches up between two steps.
+pub const SIDE_MAP_PREGROW_SPACING_MS: u64 = 50;
+
+/// Called with each batch the pump applies (rank, seq); benchmarks time the apply path with it.
+pub type ApplyObserver = Arc<dyn Fn(&RankKey, i64) + Send + Sync>;
+
+/// Called after each graft slice with its duration.
+pub type SliceObserver = Arc<dyn Fn(Duration) + Send + Sync>;
 
 pub enum PumpMsg {
     Batch {
@@ -49,6 +107,8 @@ pub enum PumpMsg {
         key: RankKey,
         incarnation: u64,
         replay_endpoint: Option<String>,
+        /// The rank holds its live batches until a graft or a release.
+        bootstrap: bool,
         done: oneshot::Sender<()>,
     },
     /// Removes every rank of `url` from the index, then acknowledges.
@@ -61,6 +121,44 @@ pub enum PumpMsg {
         incarnation: u64,
         stat: LoadStat,
     },
+    /// Offers a validated snapshot to `targets`; answered once the offer is made (after any
+    /// graft running before it), not when the graft completes.
+    Graft {
+        plan: Box<GraftPlan>,
+        targets: Vec<GraftTarget>,
+        done: oneshot::Sender<GraftReceipt>,
+    },
+    /// Ends a holding (or rebuilding) rank's bootstrap without a graft.
+    Release {
+        key: RankKey,
+        incarnation: u64,
+        outcome: BootstrapOutcome,
+    },
+    ProbeAnswer {
+        key: RankKey,
+        incarnation: u64,
+        generation: u64,
+        highest: Option<i64>,
+    },
+    /// Rebuild the rank from the engine's replay buffer; a rank that cannot (no replay socket) is
+    /// released with `fallback` instead, so the request always leads to an outcome.
+    EngineRebuild {
+        key: RankKey,
+        incarnation: u64,
+        fallback: BootstrapOutcome,
+    },
+}
+
+/// How a pump runs, beyond what it shares with the plane.
+#[derive(Clone)]
+pub(crate) struct PumpConfig {
+    /// The model, for per-model gauges.
+    pub model: Arc<str>,
+    pub graft_slice_items: usize,
+    pub probe_interval: Duration,
+    pub events: mpsc::Sender<BootstrapEvent>,
+    pub on_apply: Option<ApplyObserver>,
+    pub on_slice: Option<SliceObserver>,
 }
 
 struct PumpRank {
@@ -68,6 +166,47 @@ struct PumpRank {
     rank_id: RankId,
     machine: RankMachine<EventBatch>,
     replay_endpoint: Option<String>,
+    bootstrap: bool,
+    /// The outcome reported to the service (the machine may know it earlier, while the report
+    /// waits behind the rank's graft).
+    settled: Option<BootstrapOutcome>,
+    /// (batches, bytes) this rank currently adds to the model's held gauges.
+    gauged: (u64, u64),
+}
+
+/// Actions of one rank waiting for the running graft, with the batches among them.
+#[derive(Default)]
+struct Deferred {
+    actions: VecDeque<Action<EventBatch>>,
+    batches: u64,
+    bytes: u64,
+}
+
+impl Deferred {
+    fn push(&mut self, action: Action<EventBatch>) {
+        if let Action::Apply { batch, .. } = &action {
+            self.batches += 1;
+            self.bytes += batch.held_bytes();
+        }
+        self.actions.push_back(action);
+    }
+
+    fn over_limits(&self) -> bool {
+        self.actions.len() > GRAFT_DEFERRED_ACTIONS_MAX || self.bytes > GRAFT_DEFERRED_MAX_BYTES
+    }
+}
+
+struct ActiveGraft {
+    job: GraftJob,
+    ranks: HashMap<RankKey, Deferred>,
+    started: Instant,
+    slices: u64,
+}
+
+struct QueuedGraft {
+    plan: Box<GraftPlan>,
+    targets: Vec<GraftTarget>,
+    done: oneshot::Sender<GraftReceipt>,
 }
 
 pub(crate) struct Pump<S: KvSource> {
@@ -78,11 +217,19 @@ pub(crate) struct Pump<S: KvSource> {
     pub status: Arc<StatusTable>,
     pub loads: Arc<RwLock<HashMap<RankKey, LoadStat>>>,
     pub cancel: CancellationToken,
+    cfg: PumpConfig,
     ranks: HashMap<RankKey, PumpRank>,
     actions: Vec<Action<EventBatch>>,
+    graft: Option<ActiveGraft>,
+    queued_grafts: VecDeque<QueuedGraft>,
+    /// Events the service's channel had no room for yet, in order; the run loop delivers them
+    /// before it takes another message (back-pressure). At most what one message produced.
+    unsent: VecDeque<BootstrapEvent>,
+    last_pregrow: Option<Instant>,
 }
 
 impl<S: KvSource> Pump<S> {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         writer: IndexWriter,
         source: Arc<S>,
@@ -91,6 +238,7 @@ impl<S: KvSource> Pump<S> {
         status: Arc<StatusTable>,
         loads: Arc<RwLock<HashMap<RankKey, LoadStat>>>,
         cancel: CancellationToken,
+        cfg: PumpConfig,
     ) -> Self {
         Self {
             writer,
@@ -100,21 +248,88 @@ impl<S: KvSource> Pump<S> {
             status,
             loads,
             cancel,
+            cfg,
             ranks: HashMap::new(),
             actions: Vec::new(),
+            graft: None,
+            queued_grafts: VecDeque::new(),
+            unsent: VecDeque::new(),
+            last_pregrow: None,
         }
     }
 
     pub async fn run(mut self, mut rx: mpsc::Receiver<PumpMsg>) {
         loop {
-            let msg = tokio::select! {
+            if !self.deliver_unsent().await {
+                break;
+            }
+            if self.graft.is_none() {
+                let msg = tokio::select! {
+                    biased;
+                    _ = self.cancel.cancelled() => break,
+                    msg = rx.recv() => msg,
+                };
+                match msg {
+                    Some(msg) => self.handle(msg),
+                    None => break,
+                }
+                continue;
+            }
+            if self.cancel.is_cancelled() {
+                break;
+            }
+            // Grafting: first whatever already waits (live batches of other ranks must not wait
+            // behind more than the one slice that was running when they arrived), then a slice.
+            let mut handled = 0;
+            while handled < GRAFT_MSGS_BETWEEN_SLICES_MAX && self.unsent.is_empty() {
+                match rx.try_recv() {
+                    Ok(msg) => {
+                        self.handle(msg);
+                        handled += 1;
+                    }
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            }
+            if !self.unsent.is_empty() {
+                continue;
+            }
+            self.graft_slice(self.cfg.graft_slice_items);
+            // The slices run back to back on this task: let the subscribers and replay tasks
+            // sharing the runtime thread run between them.
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Delivers the events the channel had no room for; false once cancelled.
+    async fn deliver_unsent(&mut self) -> bool {
+        while let Some(ev) = self.unsent.pop_front() {
+            tokio::select! {
                 biased;
-                _ = self.cancel.cancelled() => break,
-                msg = rx.recv() => msg,
-            };
-            match msg {
-                Some(msg) => self.handle(msg),
-                None => break,
+                _ = self.cancel.cancelled() => return false,
+                sent = self.cfg.events.send(ev) => {
+                    if sent.is_err() {
+                        tracing::warn!(model = %self.cfg.model,
+                            "bootstrap events dropped: nobody receives them");
+                        self.unsent.clear();
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    fn emit(&mut self, ev: BootstrapEvent) {
+        if !self.unsent.is_empty() {
+            self.unsent.push_back(ev);
+            return;
+        }
+        match self.cfg.events.try_send(ev) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(ev)) => self.unsent.push_back(ev),
+            Err(mpsc::error::TrySendError::Closed(ev)) => {
+                tracing::warn!(model = %self.cfg.model, event = ?ev,
+                    "bootstrap event dropped: nobody receives them");
             }
         }
     }
@@ -157,24 +372,35 @@ impl<S: KvSource> Pump<S> {
                 key,
                 incarnation,
                 replay_endpoint,
+                bootstrap,
                 done,
             } => {
-                if let Some(old) = self.ranks.remove(&key) {
-                    self.writer.remove_rank(old.rank_id);
-                }
+                self.drop_rank(&key);
                 let rank_id = self.writer.add_rank(RankRef {
                     worker_url: key.url.to_string(),
                     dp_rank: key.dp_rank,
                 });
+                let has_replay = replay_endpoint.is_some();
+                let machine = if bootstrap {
+                    RankMachine::new_bootstrapping(has_replay)
+                } else {
+                    RankMachine::new(has_replay)
+                };
                 self.ranks.insert(
-                    key,
+                    key.clone(),
                     PumpRank {
                         incarnation,
                         rank_id,
-                        machine: RankMachine::new(replay_endpoint.is_some()),
+                        machine,
                         replay_endpoint,
+                        bootstrap,
+                        settled: None,
+                        gauged: (0, 0),
                     },
                 );
+                if bootstrap {
+                    self.publish_bootstrap(&key);
+                }
                 let _ = done.send(());
             }
             PumpMsg::RemoveRanks { url, done } => {
@@ -185,9 +411,7 @@ impl<S: KvSource> Pump<S> {
                     .cloned()
                     .collect();
                 for key in keys {
-                    if let Some(rank) = self.ranks.remove(&key) {
-                        self.writer.remove_rank(rank.rank_id);
-                    }
+                    self.drop_rank(&key);
                     self.loads.write().remove(&key);
                 }
                 let _ = done.send(());
@@ -201,14 +425,288 @@ impl<S: KvSource> Pump<S> {
                     self.loads.write().insert(key, stat);
                 }
             }
+            PumpMsg::Graft {
+                plan,
+                targets,
+                done,
+            } => self.offer_graft(QueuedGraft {
+                plan,
+                targets,
+                done,
+            }),
+            PumpMsg::Release {
+                key,
+                incarnation,
+                outcome,
+            } => {
+                let Some(rank) = current(&mut self.ranks, &key, incarnation) else {
+                    return;
+                };
+                if !rank.machine.on_release(outcome, &mut self.actions) {
+                    tracing::debug!(worker = %key.url, dp_rank = key.dp_rank, outcome = outcome.label(),
+                        "release ignored: the rank is not holding");
+                }
+                self.execute(&key);
+            }
+            PumpMsg::ProbeAnswer {
+                key,
+                incarnation,
+                generation,
+                highest,
+            } => {
+                let Some(rank) = current(&mut self.ranks, &key, incarnation) else {
+                    return;
+                };
+                rank.machine
+                    .on_probe_answer(generation, highest, &mut self.actions);
+                self.execute(&key);
+            }
+            PumpMsg::EngineRebuild {
+                key,
+                incarnation,
+                fallback,
+            } => {
+                let Some(rank) = current(&mut self.ranks, &key, incarnation) else {
+                    return;
+                };
+                if !rank.machine.on_engine_rebuild(fallback, &mut self.actions) {
+                    rank.machine.on_release(fallback, &mut self.actions);
+                }
+                self.execute(&key);
+            }
         }
     }
 
+    /// Removes a rank from the index (and from a running graft first: until the job files the
+    /// rank's side map, removal alone could not find the grafted carriers).
+    fn drop_rank(&mut self, key: &RankKey) {
+        let Some(rank) = self.ranks.remove(key) else {
+            return;
+        };
+        if let Some(active) = &mut self.graft
+            && active.ranks.remove(key).is_some()
+        {
+            self.writer
+                .abandon_graft_rank(&mut active.job, rank.rank_id);
+            if active.ranks.is_empty() {
+                // Nothing left to graft: the rest of the job would only visit nodes.
+                if let Some(active) = self.graft.take() {
+                    drop_off_pump(active.job);
+                }
+                self.metrics.grafts.with_label_values(&["abandoned"]).inc();
+            }
+        }
+        self.writer.remove_rank(rank.rank_id);
+        self.gauge_held(rank.gauged, (0, 0));
+        if self.graft.is_none() {
+            self.start_queued_graft();
+        }
+    }
+
+    /// Runs a graft now, or queues it behind the running one.
+    fn offer_graft(&mut self, graft: QueuedGraft) {
+        if self.graft.is_some() {
+            if self.queued_grafts.len() < GRAFTS_QUEUED_MAX {
+                self.queued_grafts.push_back(graft);
+                return;
+            }
+            tracing::warn!(model = %self.cfg.model, queued = GRAFTS_QUEUED_MAX,
+                "graft queue full: finishing the running graft at once");
+            self.finish_graft_now();
+        }
+        self.start_graft(graft);
+    }
+
+    fn start_queued_graft(&mut self) {
+        while self.graft.is_none() {
+            let Some(next) = self.queued_grafts.pop_front() else {
+                return;
+            };
+            self.start_graft(next);
+        }
+    }
+
+    /// Offers the plan to each target: the ranks whose machine takes it form one job; their
+    /// actions after the `Graft` wait for the job.
+    fn start_graft(&mut self, graft: QueuedGraft) {
+        let QueuedGraft {
+            plan,
+            targets,
+            done,
+        } = graft;
+        let mut receipt = GraftReceipt {
+            ranks: Vec::with_capacity(targets.len()),
+        };
+        let mut candidates: Vec<(RankKey, RankId, (i64, f64))> = Vec::new();
+        for GraftTarget { key, incarnation } in targets {
+            let Some(rank) = current(&mut self.ranks, &key, incarnation) else {
+                receipt.ranks.push((key, GraftDisposition::Stale));
+                continue;
+            };
+            let rank_ref = RankRef {
+                worker_url: key.url.to_string(),
+                dp_rank: key.dp_rank,
+            };
+            let duplicate = candidates.iter().any(|(k, _, _)| *k == key);
+            match plan.cursor(&rank_ref) {
+                Some(c) if !duplicate => candidates.push((key, rank.rank_id, (c.seq, c.ts))),
+                Some(_) => receipt.ranks.push((key, GraftDisposition::Declined)),
+                None => receipt.ranks.push((key, GraftDisposition::Uncovered)),
+            }
+        }
+        if candidates.is_empty() {
+            let _ = done.send(receipt);
+            return;
+        }
+        let ids: Vec<RankId> = candidates.iter().map(|(_, id, _)| *id).collect();
+        let mut job = match self.writer.begin_graft(*plan, &ids) {
+            Ok(job) => job,
+            Err(e) => {
+                tracing::warn!(model = %self.cfg.model, error = %e, "graft refused by the index");
+                self.metrics.grafts.with_label_values(&["rejected"]).inc();
+                for (key, _, _) in candidates {
+                    let taken = self.ranks.get_mut(&key).is_some_and(|r| {
+                        r.machine
+                            .on_release(BootstrapOutcome::Rejected, &mut self.actions)
+                    });
+                    let disposition = if taken {
+                        GraftDisposition::Rejected
+                    } else {
+                        GraftDisposition::Declined
+                    };
+                    receipt.ranks.push((key.clone(), disposition));
+                    self.execute(&key);
+                }
+                let _ = done.send(receipt);
+                return;
+            }
+        };
+        let mut grafted: HashMap<RankKey, Deferred> = HashMap::new();
+        for (key, rank_id, watermark) in candidates {
+            let mut out = Vec::new();
+            let took = self
+                .ranks
+                .get_mut(&key)
+                .is_some_and(|r| r.machine.on_graft(watermark, &mut out));
+            if !took {
+                // Declined before any slice ran, so the job has placed nothing for it.
+                job.exclude_rank(rank_id);
+                receipt.ranks.push((key, GraftDisposition::Declined));
+                continue;
+            }
+            let mut deferred = Deferred::default();
+            for action in out {
+                if !matches!(action, Action::Graft { .. }) {
+                    deferred.push(action);
+                }
+            }
+            grafted.insert(key.clone(), deferred);
+            receipt.ranks.push((key, GraftDisposition::Taken));
+        }
+        let _ = done.send(receipt);
+        if grafted.is_empty() {
+            return;
+        }
+        let keys: Vec<RankKey> = grafted.keys().cloned().collect();
+        tracing::info!(model = %self.cfg.model, ranks = keys.len(),
+            nodes = job.progress().1, "graft started");
+        self.graft = Some(ActiveGraft {
+            job,
+            ranks: grafted,
+            started: Instant::now(),
+            slices: 0,
+        });
+        for key in &keys {
+            self.publish_bootstrap(key);
+        }
+    }
+
+    /// One slice of the running graft; finishes it when the job is done.
+    fn graft_slice(&mut self, items_max: usize) {
+        let Some(active) = &mut self.graft else {
+            return;
+        };
+        let started = Instant::now();
+        let step = self.writer.graft_step(&mut active.job, items_max);
+        let took = started.elapsed();
+        self.metrics.graft_slice_seconds.observe(took.as_secs_f64());
+        if let Some(observe) = &self.cfg.on_slice {
+            observe(took);
+        }
+        active.slices += 1;
+        match step {
+            Ok(GraftProgress::More { .. }) => {}
+            Ok(GraftProgress::Done(report)) => self.finish_graft(Some(report)),
+            Err(e) => {
+                // Only a job begun on another index fails here, which this pump never does.
+                tracing::error!(model = %self.cfg.model, error = %e, "graft slice failed");
+                if let Some(mut active) = self.graft.take() {
+                    for key in active.ranks.keys() {
+                        if let Some(rank) = self.ranks.get(key) {
+                            self.writer
+                                .abandon_graft_rank(&mut active.job, rank.rank_id);
+                        }
+                    }
+                    self.graft = Some(active);
+                }
+                self.metrics.grafts.with_label_values(&["failed"]).inc();
+                self.finish_graft(None);
+            }
+        }
+    }
+
+    /// Runs the rest of the graft in one go.
+    fn finish_graft_now(&mut self) {
+        while self.graft.is_some() {
+            self.graft_slice(usize::MAX);
+        }
+    }
+
+    /// The job is over: run each rank's waiting actions in order, then the next graft.
+    fn finish_graft(&mut self, report: Option<GraftReport>) {
+        let Some(active) = self.graft.take() else {
+            return;
+        };
+        if let Some(report) = report {
+            self.metrics.grafts.with_label_values(&["completed"]).inc();
+            tracing::info!(model = %self.cfg.model, ranks = active.ranks.len(),
+                carriers = report.carriers, nodes = report.nodes, slices = active.slices,
+                skipped_nodes = report.skipped_nodes, evicted = report.evicted_carriers,
+                ms = active.started.elapsed().as_millis() as u64, "graft completed");
+        }
+        let ActiveGraft { job, ranks, .. } = active;
+        for (key, deferred) in ranks {
+            let mut actions = std::mem::take(&mut self.actions);
+            actions.extend(deferred.actions);
+            self.actions = actions;
+            self.execute(&key);
+        }
+        drop_off_pump(job);
+        self.start_queued_graft();
+    }
+
     fn execute(&mut self, key: &RankKey) {
+        if let Some(active) = &mut self.graft
+            && let Some(deferred) = active.ranks.get_mut(key)
+        {
+            for action in self.actions.drain(..) {
+                deferred.push(action);
+            }
+            if deferred.over_limits() {
+                tracing::warn!(worker = %key.url, dp_rank = key.dp_rank,
+                    "actions queued behind the graft passed their bound: finishing the graft at once");
+                self.finish_graft_now();
+            } else {
+                self.publish_bootstrap(key);
+            }
+            return;
+        }
         let Some(rank) = self.ranks.get_mut(key) else {
             self.actions.clear();
             return;
         };
+        let mut events = Vec::new();
+        let mut applied = false;
         for action in self.actions.drain(..) {
             match action {
                 Action::Apply { seq, batch } => {
@@ -222,6 +720,10 @@ impl<S: KvSource> Pump<S> {
                     }
                     self.writer.apply_batch(rank.rank_id, seq, &batch);
                     self.metrics.batches_applied.inc();
+                    applied = true;
+                    if let Some(observe) = &self.cfg.on_apply {
+                        observe(key, seq);
+                    }
                 }
                 Action::ClearRank => {
                     self.writer.clear_rank(rank.rank_id);
@@ -269,14 +771,60 @@ impl<S: KvSource> Pump<S> {
                         .with_label_values(&[outcome.label()])
                         .inc();
                 }
-                // Only bootstrapping ranks emit these, and this pump registers none yet.
-                Action::Graft { .. }
-                | Action::DiscardGraft
-                | Action::ProbeSiblings { .. }
-                | Action::RequestFreshSnapshot { .. }
-                | Action::BootstrapFinished { .. } => {
+                Action::Graft { .. } => {
+                    // Only `on_graft` emits it, and `start_graft` consumes it there.
                     tracing::error!(worker = %key.url, dp_rank = key.dp_rank,
-                        "bootstrap action for a rank this pump did not register as bootstrapping");
+                        "graft action outside a graft offer ignored");
+                }
+                Action::DiscardGraft => {
+                    // Never inside a running job: the rank's actions wait for its graft.
+                    self.writer.clear_rank(rank.rank_id);
+                    self.writer.set_cursor(rank.rank_id, None);
+                }
+                Action::ProbeSiblings {
+                    generation,
+                    watermark,
+                } => {
+                    let ev = BootstrapEvent::ProbeSiblings {
+                        key: key.clone(),
+                        incarnation: rank.incarnation,
+                        generation,
+                        watermark,
+                    };
+                    if self.cfg.probe_interval.is_zero() {
+                        events.push(ev);
+                    } else {
+                        spawn_paced_probe(
+                            ev,
+                            self.cfg.probe_interval,
+                            self.cfg.events.clone(),
+                            self.cancel.clone(),
+                        );
+                    }
+                }
+                Action::RequestFreshSnapshot { min_cursor } => {
+                    tracing::info!(worker = %key.url, dp_rank = key.dp_rank, min_cursor,
+                        "graft not proven: asking for a fresher snapshot");
+                    events.push(BootstrapEvent::NeedFreshSnapshot {
+                        key: key.clone(),
+                        incarnation: rank.incarnation,
+                        min_cursor,
+                    });
+                }
+                Action::BootstrapFinished { outcome } => {
+                    rank.settled = Some(outcome);
+                    self.metrics
+                        .bootstrap_outcomes
+                        .with_label_values(&[outcome.label()])
+                        .inc();
+                    tracing::info!(worker = %key.url, dp_rank = key.dp_rank,
+                        outcome = outcome.label(), reason = %outcome_reason(outcome),
+                        "rank bootstrap settled");
+                    events.push(BootstrapEvent::Finished {
+                        key: key.clone(),
+                        incarnation: rank.incarnation,
+                        outcome,
+                    });
                 }
             }
         }
@@ -298,7 +846,132 @@ impl<S: KvSource> Pump<S> {
                     .set(blocks as i64);
             }
         }
+        let (bootstrap, rank_id) = (rank.bootstrap, rank.rank_id);
+        if applied {
+            self.pregrow_side_map(rank_id);
+        }
+        for ev in events {
+            self.emit(ev);
+        }
+        if bootstrap {
+            self.publish_bootstrap(key);
+        }
     }
+
+    /// Takes the rank's next side-map growth step now if it is near (see
+    /// `SIDE_MAP_PREGROW_SPACING_MS`), unless another rank took one too recently.
+    fn pregrow_side_map(&mut self, rank: RankId) {
+        let Some((room, entries)) = self.writer.side_map_room(rank) else {
+            return;
+        };
+        let near = entries >= SIDE_MAP_PREGROW_ENTRIES_MIN && room * 8 <= room + entries;
+        let spacing = Duration::from_millis(SIDE_MAP_PREGROW_SPACING_MS);
+        if !near || self.last_pregrow.is_some_and(|t| t.elapsed() < spacing) {
+            return;
+        }
+        self.writer.grow_side_map(rank);
+        self.last_pregrow = Some(Instant::now());
+    }
+
+    /// Mirrors a bootstrapping rank's state and held amounts into the status table and gauges.
+    fn publish_bootstrap(&mut self, key: &RankKey) {
+        let deferred = self.graft.as_ref().and_then(|g| g.ranks.get(key));
+        let Some(rank) = self.ranks.get_mut(key) else {
+            return;
+        };
+        let machine_held = if rank.machine.is_bootstrapping() {
+            (rank.machine.held_len() as u64, rank.machine.held_bytes())
+        } else {
+            (0, 0)
+        };
+        let held = match deferred {
+            Some(d) => (machine_held.0 + d.batches, machine_held.1 + d.bytes),
+            None => machine_held,
+        };
+        let state = if deferred.is_some() {
+            BootstrapState::Grafting
+        } else if let Some(outcome) = rank.settled {
+            BootstrapState::Settled(outcome)
+        } else {
+            match rank.machine.phase() {
+                Phase::Holding { .. } => BootstrapState::Holding,
+                Phase::Healing { .. } => BootstrapState::Healing,
+                Phase::Proving { .. } => BootstrapState::Proving,
+                Phase::Rebuilding { .. } => BootstrapState::Rebuilding,
+                // Between the machine's outcome and its report (never observable outside).
+                Phase::Live | Phase::Replaying { .. } => BootstrapState::Holding,
+            }
+        };
+        let before = std::mem::replace(&mut rank.gauged, held);
+        self.status
+            .set_bootstrap(key, rank.incarnation, state, held.0, held.1);
+        self.gauge_held(before, held);
+    }
+
+    fn gauge_held(&self, before: (u64, u64), after: (u64, u64)) {
+        if before == after {
+            return;
+        }
+        let model = [&*self.cfg.model];
+        self.metrics
+            .bootstrap_held_batches
+            .with_label_values(&model)
+            .add(after.0 as i64 - before.0 as i64);
+        self.metrics
+            .bootstrap_held_bytes
+            .with_label_values(&model)
+            .add(after.1 as i64 - before.1 as i64);
+    }
+}
+
+/// Frees a graft job (the snapshot and its per-node tables: hundreds of MB for a fleet-sized
+/// snapshot) on a blocking thread: handing that much memory back to the OS takes tens of
+/// milliseconds in which the pump would apply nothing.
+fn drop_off_pump(job: GraftJob) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn_blocking(move || drop(job));
+        }
+        Err(_) => drop(job),
+    }
+}
+
+/// Why a rank settled with `outcome`, for the one info line each outcome gets.
+fn outcome_reason(outcome: BootstrapOutcome) -> &'static str {
+    match outcome {
+        BootstrapOutcome::Warm => "graft spliced to the live stream, proven by sequence numbers",
+        BootstrapOutcome::WarmUnwitnessed => {
+            "graft kept; no batch, replay or sibling witnessed the splice"
+        }
+        BootstrapOutcome::Gap => "live stream does not join the snapshot; graft discarded, cold",
+        BootstrapOutcome::Uncovered => "no snapshot had a cursor for the rank; cold",
+        BootstrapOutcome::Abandoned => "no snapshot found; cold",
+        BootstrapOutcome::Overflow => "held batches passed their bound; cold",
+        BootstrapOutcome::PublisherReset => "engine publisher restarted during the bootstrap",
+        BootstrapOutcome::Rejected => "the index refused the snapshot; cold",
+        BootstrapOutcome::FromOrigin => "stream began at seq 0 while watched; nothing missed",
+        BootstrapOutcome::Empty => "every sibling says the rank holds nothing",
+        BootstrapOutcome::FromEngineReplay => "rebuilt from the engine's replay from seq 0",
+    }
+}
+
+/// Sends a sibling probe request after `interval` (see `SPLICE_PROBE_INTERVAL_MS`). A task per
+/// proving rank at most, since the machine asks for the next round only after an answer.
+fn spawn_paced_probe(
+    ev: BootstrapEvent,
+    interval: Duration,
+    events: mpsc::Sender<BootstrapEvent>,
+    cancel: CancellationToken,
+) {
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = cancel.cancelled() => {}
+            _ = async {
+                tokio::time::sleep(interval).await;
+                let _ = events.send(ev).await;
+            } => {}
+        }
+    });
 }
 
 /// The rank if it is registered under this incarnation; anything else is a late message of a
@@ -418,6 +1091,14 @@ mod tests {
             status.clone(),
             loads.clone(),
             cancel.clone(),
+            PumpConfig {
+                model: Arc::from("m"),
+                graft_slice_items: kvroute_index::GRAFT_SLICE_ITEMS_MAX,
+                probe_interval: Duration::ZERO,
+                events: mpsc::channel(1).0,
+                on_apply: None,
+                on_slice: None,
+            },
         );
         tokio::spawn(pump.run(rx));
         Harness {
@@ -462,6 +1143,7 @@ mod tests {
                 key,
                 incarnation,
                 replay_endpoint: None,
+                bootstrap: false,
                 done,
             };
             self.tx.send(msg).await.unwrap();
@@ -556,6 +1238,7 @@ mod tests {
             key: key("http://w"),
             incarnation: 1,
             replay_endpoint: Some("tcp://127.0.0.1:9".into()),
+            bootstrap: false,
             done,
         })
         .await

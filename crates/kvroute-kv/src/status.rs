@@ -1,7 +1,7 @@
 //! The per-rank status table that `KvPlane::rank_states` reads.
 //!
 //! Two writers feed it (the rank's subscriber task: connection state; the pump: cursor, counters,
-//! replaying) and the router's admin endpoints read it; a small lock is enough because updates are
+//! replaying, bootstrap state and held amounts) and the router's admin endpoints read it; a small lock is enough because updates are
 //! per batch at most and never held across an await. Every update names the incarnation it speaks
 //! for, so a subscriber of a removed registration cannot resurrect or overwrite a newer one.
 
@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
+use crate::bootstrap::BootstrapState;
 use crate::metrics::KvMetrics;
 use crate::rank_state::RankCounters;
 
@@ -59,6 +60,12 @@ pub struct RankStatus {
     pub lost_batches: u64,
     pub replays: u64,
     pub publisher_restarts: u64,
+    /// Where the rank's peer bootstrap is (`Off` when registered without one).
+    pub bootstrap: BootstrapState,
+    /// Batches (and their estimated bytes) the bootstrap holds back from the index: held by the
+    /// rank's machine, or queued behind its running graft.
+    pub held_batches: u64,
+    pub held_bytes: u64,
 }
 
 struct Entry {
@@ -96,6 +103,9 @@ impl StatusTable {
             lost_batches: 0,
             replays: 0,
             publisher_restarts: 0,
+            bootstrap: BootstrapState::Off,
+            held_batches: 0,
+            held_bytes: 0,
         };
         self.entries.write().insert(
             key,
@@ -146,6 +156,27 @@ impl StatusTable {
                 Self::publish(key, e, metrics);
             }
         });
+    }
+
+    /// The pump's view of the rank's bootstrap.
+    pub fn set_bootstrap(
+        &self,
+        key: &RankKey,
+        incarnation: u64,
+        state: BootstrapState,
+        held_batches: u64,
+        held_bytes: u64,
+    ) {
+        self.update_current(key, incarnation, |e| {
+            e.status.bootstrap = state;
+            e.status.held_batches = held_batches;
+            e.status.held_bytes = held_bytes;
+        });
+    }
+
+    /// The model a registered rank belongs to.
+    pub fn model_of(&self, key: &RankKey) -> Option<String> {
+        self.entries.read().get(key).map(|e| e.status.model.clone())
     }
 
     /// Applies `update` to the entry of `key` only while it still belongs to `incarnation`, so a
