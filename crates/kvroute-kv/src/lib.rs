@@ -25,8 +25,7 @@ pub mod testing;
 pub mod transport;
 
 pub use bootstrap::{
-    BOOTSTRAP_EVENTS_CAPACITY, BootstrapEvent, BootstrapState, GraftDisposition, GraftReceipt,
-    GraftTarget,
+    BOOTSTRAP_EVENTS_CAPACITY, BootstrapEvent, GraftDisposition, GraftReceipt, GraftTarget,
 };
 pub use discovery::{
     DiscoveryError, KvEventsConfig, WorkerInfo, fetch_worker_info, kv_config_from_template,
@@ -37,5 +36,6 @@ pub use pump::{
     GRAFTS_QUEUED_MAX, PUMP_CHANNEL_CAPACITY, SIDE_MAP_PREGROW_ENTRIES_MIN,
     SIDE_MAP_PREGROW_SPACING_MS,
 };
+pub use status::BootstrapState;
 pub use status::RankKey;
 pub use status::{RankStatus, SubscriberState};

@@ -42,12 +42,10 @@ use parking_lot::RwLock;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::bootstrap::{
-    BootstrapEvent, BootstrapState, GraftDisposition, GraftReceipt, GraftTarget,
-};
+use crate::bootstrap::{BootstrapEvent, GraftDisposition, GraftReceipt, GraftTarget};
 use crate::metrics::{KvMetrics, TIER_LABELS};
 use crate::rank_state::{Action, BootstrapOutcome, HeldCost, Phase, RankMachine, ReplayAnswer};
-use crate::status::{RankKey, StatusTable};
+use crate::status::{BootstrapState, RankKey, StatusTable};
 use crate::transport::KvSource;
 
 /// Messages queued to one model's pump before senders wait.

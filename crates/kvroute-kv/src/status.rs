@@ -10,9 +10,48 @@ use std::sync::Arc;
 
 use parking_lot::RwLock;
 
-use crate::bootstrap::BootstrapState;
 use crate::metrics::KvMetrics;
-use crate::rank_state::RankCounters;
+use crate::rank_state::{BootstrapOutcome, RankCounters};
+
+/// Where a rank's bootstrap is, for status pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BootstrapState {
+    /// The rank was registered without bootstrap.
+    Off,
+    /// Live batches are held until a graft or a release.
+    Holding,
+    /// A graft for the rank is running in slices; its later actions wait behind it.
+    Grafting,
+    /// Grafted; the gap to the held batches is being healed from the engine's replay.
+    Healing,
+    /// Grafted with nothing held; the splice proof is deferred.
+    Proving,
+    /// Being rebuilt from the engine's replay buffer.
+    Rebuilding,
+    /// Ended with this outcome.
+    Settled(BootstrapOutcome),
+}
+
+impl BootstrapState {
+    pub fn label(self) -> &'static str {
+        match self {
+            BootstrapState::Off => "off",
+            BootstrapState::Holding => "holding",
+            BootstrapState::Grafting => "grafting",
+            BootstrapState::Healing => "healing",
+            BootstrapState::Proving => "proving",
+            BootstrapState::Rebuilding => "rebuilding",
+            BootstrapState::Settled(_) => "settled",
+        }
+    }
+
+    pub fn outcome(self) -> Option<BootstrapOutcome> {
+        match self {
+            BootstrapState::Settled(o) => Some(o),
+            _ => None,
+        }
+    }
+}
 
 /// Identifies a rank across the plane.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

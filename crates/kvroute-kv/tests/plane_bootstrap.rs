@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use kvroute_index::hash::{hash_token_blocks, namespace_seed};
 use kvroute_index::{GraftPlan, PrefixMatch};
-use kvroute_kv::bootstrap::{BootstrapEvent, BootstrapState, GraftDisposition, GraftTarget};
+use kvroute_kv::bootstrap::{BootstrapEvent, GraftDisposition, GraftTarget};
 use kvroute_kv::rank_state::BootstrapOutcome;
+use kvroute_kv::status::BootstrapState;
 use kvroute_kv::{
     KvEventsConfig, KvPlane, KvPlaneConfig, KvPlaneError, RankKey, RankStatus, fetch_worker_info,
 };

@@ -9,10 +9,9 @@ use std::time::Duration;
 use kvroute_index::hash::{hash_token_blocks, namespace_seed};
 use kvroute_index::{GraftPlan, IndexConfig, IndexReader, IndexWriter, PrefixIndex, PrefixMatch};
 use kvroute_kv::RankKey;
-use kvroute_kv::bootstrap::{
-    BootstrapEvent, BootstrapState, GraftDisposition, GraftReceipt, GraftTarget,
-};
+use kvroute_kv::bootstrap::{BootstrapEvent, GraftDisposition, GraftReceipt, GraftTarget};
 use kvroute_kv::rank_state::BootstrapOutcome;
+use kvroute_kv::status::BootstrapState;
 use kvroute_kv::testing::{DriverConfig, PumpDriver};
 use kvroute_wire::snapshot::{IndexSnapshot, RankRef};
 use kvroute_wire::{BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent};
