@@ -87,6 +87,16 @@ async fn removing_a_worker_drops_its_ranks_from_routing_and_the_index() {
     )
     .await;
     let w = workers(&base).await;
+    // Without a peer source nothing bootstraps: every rank says so on /workers.
+    let mut ranks_seen = 0;
+    for worker in w["workers"].as_array().unwrap() {
+        for rank in worker["kv_ranks"].as_array().unwrap() {
+            assert_eq!(rank["bootstrap"]["state"], "off", "{rank}");
+            assert_eq!(rank["bootstrap"]["held_batches"], 0, "{rank}");
+            ranks_seen += 1;
+        }
+    }
+    assert!(ranks_seen > 0, "no KV rank listed on /workers: {w}");
     let id = w["workers"]
         .as_array()
         .unwrap()

@@ -304,6 +304,11 @@ impl KvBridge {
                     "applied_batches": s.applied_batches, "duplicate_batches": s.duplicate_batches,
                     "lost_batches": s.lost_batches, "replays": s.replays,
                     "publisher_restarts": s.publisher_restarts,
+                    "bootstrap": {
+                        "state": s.bootstrap.label(),
+                        "outcome": s.bootstrap.outcome().map(|o| o.label()),
+                        "held_batches": s.held_batches, "held_bytes": s.held_bytes,
+                    },
                 })
             })
             .collect()
