@@ -74,14 +74,14 @@ impl PeerRegistry {
         Self::build(None)
     }
 
-    /// A registry exporting `kvroute_discovery` and `kvroute_discovery_synced` on `metrics`.
+    /// A registry exporting `kvroute_peers` and `kvroute_peers_synced` on `metrics`.
     pub fn with_metrics(metrics: &prometheus::Registry) -> Result<Self, prometheus::Error> {
         let peers = IntGauge::new(
-            "kvroute_discovery",
+            "kvroute_peers",
             "Sibling routers currently known to peer discovery (self excluded).",
         )?;
         let synced = IntGauge::new(
-            "kvroute_discovery_synced",
+            "kvroute_peers_synced",
             "1 once peer discovery has delivered a complete answer; 0 while never synced.",
         )?;
         metrics.register(Box::new(peers.clone()))?;
@@ -277,10 +277,10 @@ mod tests {
                 .find(|f| f.name() == name)
                 .map(|f| f.get_metric()[0].get_gauge().get_value())
         };
-        assert_eq!(read("kvroute_discovery_synced"), Some(0.0));
+        assert_eq!(read("kvroute_peers_synced"), Some(0.0));
         r.replace(urls(&["http://a:1", "http://b:1"]));
-        assert_eq!(read("kvroute_discovery"), Some(2.0));
-        assert_eq!(read("kvroute_discovery_synced"), Some(1.0));
+        assert_eq!(read("kvroute_peers"), Some(2.0));
+        assert_eq!(read("kvroute_peers_synced"), Some(1.0));
         assert!(
             PeerRegistry::with_metrics(&metrics).is_err(),
             "a second registration of the same names must fail, not double count"

@@ -614,8 +614,8 @@ async fn a_static_peer_list_without_self_appears_in_metrics() {
     let cfg = cli.serve.into_config().unwrap();
     let router = kvroute::serve(cfg).await.unwrap();
     let text = metrics_text(&router.url()).await;
-    assert_eq!(metric(&text, "kvroute_discovery"), 2.0);
-    assert_eq!(metric(&text, "kvroute_discovery_synced"), 1.0);
+    assert_eq!(metric(&text, "kvroute_peers"), 2.0);
+    assert_eq!(metric(&text, "kvroute_peers_synced"), 1.0);
     let peers: Vec<String> = router
         .router
         .peers
