@@ -11,6 +11,9 @@ use clap::{Args, Parser, ValueEnum};
 use crate::config::{
     DEFAULT_BODY_MAX_BYTES, DEFAULT_KV_SNAPSHOT_MAX_BYTES, RouterConfig, WorkerSpec,
 };
+use crate::peer::bootstrap::{
+    BootstrapConfig, DEFAULT_BOOTSTRAP_FETCH_TIMEOUT_CAP_MS, DEFAULT_BOOTSTRAP_TIMEOUT_MS,
+};
 use crate::peer::internal::read_internal_auth_token;
 use crate::routing::kv::KvFlagDefaults;
 use crate::routing::pending::DEFAULT_PENDING_PREFIX_TTL_MS;
@@ -138,6 +141,17 @@ pub struct ServeArgs {
     /// Largest encoded snapshot served (507 beyond) or fetched from a sibling.
     #[arg(long, env = "KVROUTE_KV_SNAPSHOT_MAX_BYTES", default_value_t = DEFAULT_KV_SNAPSHOT_MAX_BYTES)]
     pub kv_snapshot_max_bytes: usize,
+    /// How long a booting replica searches its siblings for a warm index (the whole search, not
+    /// one request); `/readyz` holds meanwhile only while siblings exist.
+    #[arg(long, env = "KVROUTE_KV_BOOTSTRAP_TIMEOUT_MS", default_value_t = DEFAULT_BOOTSTRAP_TIMEOUT_MS)]
+    pub kv_bootstrap_timeout_ms: u64,
+    /// Cap of one snapshot fetch's timeout (derived as a fraction of the bootstrap timeout).
+    #[arg(long, env = "KVROUTE_KV_BOOTSTRAP_FETCH_TIMEOUT_CAP_MS", default_value_t = DEFAULT_BOOTSTRAP_FETCH_TIMEOUT_CAP_MS)]
+    pub kv_bootstrap_fetch_timeout_cap_ms: u64,
+    /// Keep `/readyz` at 503 while the search timed out over siblings without a snapshot (at
+    /// most 3x the bootstrap timeout).
+    #[arg(long, env = "KVROUTE_KV_BOOTSTRAP_SEED_REQUIRED")]
+    pub kv_bootstrap_seed_required: bool,
     #[command(flatten)]
     pub peers: kvroute_discovery::PeerDiscoveryArgs,
     #[command(flatten)]
@@ -222,6 +236,11 @@ impl ServeArgs {
             internal_auth_token,
             kv_snapshot_max_bytes: self.kv_snapshot_max_bytes,
             peer_source,
+            bootstrap: BootstrapConfig {
+                timeout_ms: self.kv_bootstrap_timeout_ms,
+                fetch_timeout_cap_ms: self.kv_bootstrap_fetch_timeout_cap_ms,
+                seed_required: self.kv_bootstrap_seed_required,
+            },
             engine_discovery,
             pending_prefix_ttl_ms: self.pending_prefix_ttl_ms,
             ..RouterConfig::default()

@@ -11,6 +11,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::control::readiness::ReadinessGate;
+use crate::peer::bootstrap::BootstrapConfig;
+use crate::peer::fetch::{
+    FETCH_CONNECT_TIMEOUT_MS, FETCH_READ_TIMEOUT_MS, FETCH_TOTAL_TIMEOUT_MS, FetchConfig,
+};
 use crate::routing::kv::{KvFlagDefaults, PrefixOracle};
 use crate::routing::pending::DEFAULT_PENDING_PREFIX_TTL_MS;
 use crate::routing::policy::{CostWeights, PolicyKind};
@@ -91,8 +95,11 @@ pub struct RouterConfig {
     pub internal_auth_token: Option<Arc<[u8]>>,
     /// Largest encoded snapshot this replica serves (507 beyond) and its fetch client accepts.
     pub kv_snapshot_max_bytes: usize,
-    /// Sibling discovery for peer bootstrap; `None` = off.
+    /// Sibling discovery for peer bootstrap; `None` = off (and so is the bootstrap).
     pub peer_source: Option<kvroute_discovery::PeerSourceConfig>,
+    /// How a booting replica searches its siblings (used when `peer_source` is set and the
+    /// policy is cache_aware, the only one with an index to warm).
+    pub bootstrap: BootstrapConfig,
     /// Kubernetes discovery of engine pods (`--service-discovery`); `None` = off. Its edits go
     /// to the same registry as `workers` (see `worker_source`).
     pub engine_discovery: Option<kvroute_discovery::EngineDiscoveryConfig>,
@@ -145,9 +152,25 @@ impl Default for RouterConfig {
             internal_auth_token: None,
             kv_snapshot_max_bytes: DEFAULT_KV_SNAPSHOT_MAX_BYTES,
             peer_source: None,
+            bootstrap: BootstrapConfig::default(),
             engine_discovery: None,
             prefix_oracle: None,
             pending_prefix_ttl_ms: DEFAULT_PENDING_PREFIX_TTL_MS,
+        }
+    }
+}
+
+/// The fetch client's settings from the router's (its token and size limit), here so the
+/// client does not depend on the router's configuration.
+impl FetchConfig {
+    /// Defaults, with the router's own token and size limit.
+    pub fn from_router_config(cfg: &RouterConfig) -> Self {
+        FetchConfig {
+            connect_timeout_ms: FETCH_CONNECT_TIMEOUT_MS,
+            read_timeout_ms: FETCH_READ_TIMEOUT_MS,
+            total_timeout_ms: FETCH_TOTAL_TIMEOUT_MS,
+            max_bytes: cfg.kv_snapshot_max_bytes,
+            auth_token: cfg.internal_auth_token.clone(),
         }
     }
 }

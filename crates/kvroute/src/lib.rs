@@ -163,6 +163,20 @@ pub async fn serve_with_workers(
         ),
         None => None,
     };
+    if let Some(bootstrap) = &router.bootstrap {
+        let fetcher = peer::fetch::PeerFetcher::new(peer::fetch::FetchConfig::from_router_config(
+            &router.config,
+        ))
+        .map_err(|e| ServeError::Setup(format!("peer bootstrap: {e}")))?;
+        let self_url = kvroute_discovery::PeerUrl::parse(&format!("http://{internal_addr}")).ok();
+        bootstrap.start(
+            router.kv.plane().clone(),
+            router.peers.clone(),
+            fetcher,
+            self_url,
+            router.shutdown.clone(),
+        );
+    }
     // Start-up workers get their first attempt inline so a router started against a running
     // fleet is usable as soon as `serve` returns; workers not up yet keep being retried in the
     // background, and a dynamic source's edits are applied by its consumer task.

@@ -761,3 +761,87 @@ async fn the_sweeps_raw_answer_vets_into_the_producers_cursor_for_every_live_ran
     cold.shutdown().await;
     quiet.shutdown().await;
 }
+
+/// All of peer bootstrap over the real transport: a replica B started beside a warm replica A
+/// (real KV events from simulated engines, the engines quiet by the time B starts) pulls A's
+/// snapshot, vets it, grafts it under its live stream and proves each rank's splice through the
+/// engine's replay socket; `/readyz` holds until that settles; afterwards B answers every query
+/// like A, and keeps up with events published after the graft (the snapshot was spliced UNDER
+/// the live stream, not substituted for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_started_beside_a_warm_one_grafts_its_index_and_answers_like_it() {
+    let (fleet, a, stored) = warm_router(2, 2, 40, |_| {}).await;
+    let bs = a_reader(&a).config().block_size as usize;
+    let peer = kvroute_discovery::PeerUrl::parse(&a.internal_url()).unwrap();
+    let b = kvroute::serve(RouterConfig {
+        peer_source: Some(kvroute_discovery::PeerSourceConfig::Static(
+            kvroute_discovery::StaticPeers {
+                peers: vec![peer],
+                advertise_url: None,
+            },
+        )),
+        ..router_config(&urls(&fleet))
+    })
+    .await
+    .unwrap();
+    let base = b.url();
+    // Every rank settles, and settles warm: its splice was proven.
+    let outcomes = wait_until(
+        "every rank of B to settle its bootstrap",
+        std::time::Duration::from_secs(30),
+        || async {
+            let w = workers(&base).await;
+            let ranks: Vec<(String, String)> = w["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|w| w["kv_ranks"].as_array().cloned().unwrap_or_default())
+                .map(|r| {
+                    (
+                        r["bootstrap"]["state"].as_str().unwrap_or("?").to_string(),
+                        r["bootstrap"]["outcome"]
+                            .as_str()
+                            .unwrap_or("-")
+                            .to_string(),
+                    )
+                })
+                .collect();
+            if ranks.len() == 4 && ranks.iter().all(|(s, _)| s == "settled") {
+                Ok(ranks)
+            } else {
+                Err(format!("{ranks:?}"))
+            }
+        },
+    )
+    .await;
+    assert!(
+        outcomes.iter().all(|(_, o)| o == "warm"),
+        "every rank's splice must be proven: {outcomes:?}"
+    );
+    let ready = client().get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200, "B is ready once every rank settled");
+    // B answers like A, although the engines published nothing since B subscribed.
+    let reader_a = a_reader(&a);
+    let reader_b = a_reader(&b);
+    let mut rng = StdRng::seed_from_u64(13);
+    let qs = queries(&stored, &mut rng, 1_000, bs);
+    let mut hits = 0;
+    for (i, q) in qs.iter().enumerate() {
+        let va = match_view(&reader_a, q, bs);
+        let vb = match_view(&reader_b, q, bs);
+        assert_eq!(va, vb, "query {i} ({} tokens): B differs from A", q.len());
+        hits += usize::from(!va.is_empty());
+    }
+    assert!(hits > 500, "only {hits} of 1000 queries hit; too weak");
+    assert_eq!(reader_b.total_carried(), reader_a.total_carried());
+    // The live stream continues on top of the graft.
+    let more = store_random_chains(&fleet, &mut rng, 5);
+    wait_caught_up(&a, &fleet).await;
+    wait_caught_up(&b, &fleet).await;
+    for q in queries(&more, &mut rng, 200, bs) {
+        assert_eq!(match_view(&reader_a, &q, bs), match_view(&reader_b, &q, bs));
+    }
+    b.shutdown().await;
+    a.shutdown().await;
+    fleet.shutdown().await;
+}

@@ -31,6 +31,9 @@ impl ReadinessGate for HealthyWorkerGate {
 /// internal listener's `producer_ready`.
 pub fn readiness_gates(router: &Arc<Router>) -> Arc<Vec<Arc<dyn ReadinessGate>>> {
     let mut gates: Vec<Arc<dyn ReadinessGate>> = vec![Arc::new(HealthyWorkerGate(router.clone()))];
+    if let Some(bootstrap) = &router.bootstrap {
+        gates.push(Arc::new(bootstrap.gate()));
+    }
     gates.extend(router.config.extra_readiness_gates.iter().cloned());
     Arc::new(gates)
 }

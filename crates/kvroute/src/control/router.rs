@@ -14,9 +14,10 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{RouterConfig, WorkerSpec};
 use crate::control::metrics::Metrics;
 use crate::control::registry::{HealthEvent, Registry, Worker, WorkerId};
+use crate::peer::bootstrap::{Bootstrap, Command};
 use crate::routing::kv::KvBridge;
 use crate::routing::pending::PendingPrefixes;
-use crate::routing::policy::Policy;
+use crate::routing::policy::{Policy, PolicyKind};
 use crate::routing::tokenize::TokenizerSet;
 
 /// Block size assumed for a model when neither the engine nor `--block-size` gives one.
@@ -44,6 +45,9 @@ pub struct Router {
     pub snapshots: Arc<crate::peer::producer::SnapshotProducer>,
     /// Blocks routed to a rank and not yet confirmed by its KV events.
     pub pending: PendingPrefixes,
+    /// Peer bootstrap of the index from a warm sibling (a peer source and cache_aware); its
+    /// task is started by `serve` before the first worker registers.
+    pub bootstrap: Option<Arc<Bootstrap>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +83,15 @@ impl Router {
         ));
         let pending =
             PendingPrefixes::new(config.pending_prefix_ttl_ms, &prom).map_err(|e| e.to_string())?;
+        // Peer bootstrap needs siblings to ask and an index to warm.
+        let bootstrap = match (&config.peer_source, config.policy) {
+            (Some(_), PolicyKind::CacheAware) => {
+                Some(Arc::new(Bootstrap::new(config.bootstrap.clone(), &prom)?))
+            }
+            _ => None,
+        };
         Ok(Router {
+            bootstrap,
             peers,
             snapshots,
             pending,
@@ -173,7 +185,25 @@ impl Router {
                 .lock()
                 .on_event(HealthEvent::CheckOk, Instant::now(), 1, Duration::ZERO);
         }
-        let kv_attached = self.kv.attach(&spec.url, &model, info.kv.as_ref()).await;
+        let kv_attached = self
+            .kv
+            .attach(
+                &spec.url,
+                &model,
+                info.kv.as_ref(),
+                self.bootstrap.is_some(),
+            )
+            .await;
+        if let (Some(bootstrap), Ok(incarnation)) = (&self.bootstrap, &kv_attached) {
+            bootstrap
+                .send(Command::Registered {
+                    model: model.clone(),
+                    url: spec.url.clone(),
+                    dp_size: info.dp_size,
+                    incarnation: *incarnation,
+                })
+                .await;
+        }
         if let Err(reason) = &kv_attached {
             tracing::warn!(url = %spec.url, %reason, "no KV events from this worker; it is routed on load only");
         }
@@ -186,6 +216,13 @@ impl Router {
     pub async fn deregister(&self, id: WorkerId) -> Option<Arc<Worker>> {
         let worker = self.registry.remove(id)?;
         self.kv.detach(&worker.url).await;
+        if let Some(bootstrap) = &self.bootstrap {
+            bootstrap
+                .send(Command::Removed {
+                    url: worker.url.clone(),
+                })
+                .await;
+        }
         for r in 0..worker.dp_size {
             let _ = self
                 .metrics
@@ -240,7 +277,20 @@ impl Router {
                     tracing::warn!(url = %w.url, registered = w.dp_size, reported = info.dp_size,
                         "worker reports another dp_size than it was registered with; re-add it to use all ranks");
                 }
-                let attached = self.kv.attach(&w.url, &w.model, info.kv.as_ref()).await;
+                let attached = self
+                    .kv
+                    .attach(&w.url, &w.model, info.kv.as_ref(), self.bootstrap.is_some())
+                    .await;
+                if let (Some(bootstrap), Ok(incarnation)) = (&self.bootstrap, &attached) {
+                    bootstrap
+                        .send(Command::Registered {
+                            model: w.model.clone(),
+                            url: w.url.clone(),
+                            dp_size: w.dp_size,
+                            incarnation: *incarnation,
+                        })
+                        .await;
+                }
                 *w.kv_attach_error.lock() = attached.err();
                 w.discovered
                     .store(true, std::sync::atomic::Ordering::Relaxed);

@@ -31,8 +31,8 @@ use kvroute_snapshot::{
 use kvroute_wire::snapshot::IndexSnapshot;
 use reqwest::header;
 
-use crate::peer::internal::{KV_CURSORS_PATH, KV_SNAPSHOT_PATH, SNAPSHOT_AGE_HEADER};
 use crate::peer::producer::CursorTable;
+use crate::peer::protocol::{KV_CURSORS_PATH, KV_SNAPSHOT_PATH, SNAPSHOT_AGE_HEADER};
 
 /// Default time to establish a connection to a sibling.
 pub const FETCH_CONNECT_TIMEOUT_MS: u64 = 1_000;
@@ -53,19 +53,6 @@ pub struct FetchConfig {
     pub max_bytes: usize,
     /// Bearer token sent to siblings; also the HMAC key a binary snapshot must verify under.
     pub auth_token: Option<Arc<[u8]>>,
-}
-
-impl FetchConfig {
-    /// Defaults, with the router's own token and size limit.
-    pub fn from_router_config(cfg: &crate::config::RouterConfig) -> Self {
-        FetchConfig {
-            connect_timeout_ms: FETCH_CONNECT_TIMEOUT_MS,
-            read_timeout_ms: FETCH_READ_TIMEOUT_MS,
-            total_timeout_ms: FETCH_TOTAL_TIMEOUT_MS,
-            max_bytes: cfg.kv_snapshot_max_bytes,
-            auth_token: cfg.internal_auth_token.clone(),
-        }
-    }
 }
 
 /// How a fetch ended.

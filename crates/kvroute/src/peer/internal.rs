@@ -94,14 +94,9 @@ pub fn read_internal_auth_token(path: &std::path::Path) -> Result<Arc<[u8]>, Str
     Ok(Arc::from(raw))
 }
 
-/// Path of the snapshot endpoint.
-pub const KV_SNAPSHOT_PATH: &str = "/internal/kv_snapshot";
-/// Path of the cursor table endpoint.
-pub const KV_CURSORS_PATH: &str = "/internal/kv_cursors";
-/// Response header naming the compression inside a binary snapshot's envelope.
-pub const SNAPSHOT_COMPRESSION_HEADER: &str = "x-kvroute-snapshot-compression";
-/// Response header: age of the served export at the request's arrival, in milliseconds.
-pub const SNAPSHOT_AGE_HEADER: &str = "x-kvroute-snapshot-age-ms";
+pub use crate::peer::protocol::{
+    KV_CURSORS_PATH, KV_SNAPSHOT_PATH, SNAPSHOT_AGE_HEADER, SNAPSHOT_COMPRESSION_HEADER,
+};
 /// Bytes per body chunk when streaming an encoded snapshot.
 pub const SNAPSHOT_STREAM_CHUNK_BYTES: usize = 256 * 1024;
 

@@ -2,10 +2,13 @@
 //!
 //! [`internal`] is the internal listener (its own port and bind address, optional bearer token)
 //! that serves [`producer`]'s cached index snapshots and the cursor table; [`fetch`] is the
-//! client a booting replica uses to pull a sibling's snapshot. Sibling DISCOVERY is the
-//! `kvroute-discovery` crate; the decisions of the bootstrap consumer (vetting, per-rank state,
-//! the sweep) are the pure `kvroute-bootstrap` crate, composed here.
+//! client a booting replica uses to pull a sibling's snapshot; [`bootstrap`] is the task that
+//! makes a booting replica warm. Sibling DISCOVERY is the `kvroute-discovery` crate; the
+//! decisions of the bootstrap consumer (vetting, the sweep) are the pure `kvroute-bootstrap`
+//! crate, and holding, grafting and splice proofs happen in the KV plane's pump.
 
+pub mod bootstrap;
 pub mod fetch;
 pub mod internal;
 pub mod producer;
+pub mod protocol;

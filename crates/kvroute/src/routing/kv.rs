@@ -175,21 +175,28 @@ impl KvBridge {
     /// Starts consuming the worker's KV events into its model's index. A worker the plane
     /// refuses (no KV config, block size mismatch) stays routable on load alone; the reason is
     /// returned for the logs and `GET /workers`.
+    /// With `bootstrap`, the worker's ranks hold their live batches until the bootstrap task
+    /// grafts a sibling's snapshot under them or releases them.
     pub async fn attach(
         &self,
         url: &str,
         model: &str,
         kv: Option<&KvEventsConfig>,
+        bootstrap: bool,
     ) -> Result<u64, String> {
         let Some(kv) = kv else {
             return Err(
                 "worker advertises no KV events and no --kv-events-endpoint-template is set".into(),
             );
         };
-        self.plane
-            .add_worker(url, model, kv.clone())
-            .await
-            .map_err(|e| e.to_string())
+        let added = if bootstrap {
+            self.plane
+                .add_worker_bootstrapping(url, model, kv.clone())
+                .await
+        } else {
+            self.plane.add_worker(url, model, kv.clone()).await
+        };
+        added.map_err(|e| e.to_string())
     }
 
     /// Stops consuming a worker's events; its ranks are gone from the index when this returns.
