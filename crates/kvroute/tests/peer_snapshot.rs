@@ -845,3 +845,95 @@ async fn a_replica_started_beside_a_warm_one_grafts_its_index_and_answers_like_i
     a.shutdown().await;
     fleet.shutdown().await;
 }
+
+/// The anchors' worst failure, refused: during a rolling update a new replica must not inherit an
+/// empty or partial index from another new replica and call itself warm. Sibling A is itself
+/// still bootstrapping (its only sibling is unreachable, so its `/readyz` and `producer_ready`
+/// hold), and the engine is young (its stream starts at seq 0): B never takes A's snapshot as
+/// warm; when its search ends it rebuilds each rank exactly from the engine's replay buffer
+/// instead, and answers like the engine's cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sibling_still_bootstrapping_is_never_taken_as_warm() {
+    let fleet = fleet(1, 2, "m").await;
+    let engine = &fleet.engines[0];
+    let bs = engine.block_size();
+    let unreachable = kvroute_discovery::PeerUrl::parse("http://127.0.0.1:9").unwrap();
+    let peers = |p: kvroute_discovery::PeerUrl| {
+        Some(kvroute_discovery::PeerSourceConfig::Static(
+            kvroute_discovery::StaticPeers {
+                peers: vec![p],
+                advertise_url: None,
+            },
+        ))
+    };
+    let a = kvroute::serve(RouterConfig {
+        peer_source: peers(unreachable),
+        ..router_config(&urls(&fleet))
+    })
+    .await
+    .unwrap();
+    wait_subscribed(&a, 2).await;
+    let prompt: Vec<u32> = (0..(bs * 3) as u32).map(|t| 40_000 + t).collect();
+    engine.store_chains(0, std::slice::from_ref(&prompt));
+    let not_ready = client()
+        .get(format!("{}/readyz", a.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(not_ready.status(), 503, "A is still bootstrapping");
+    let b = kvroute::serve(RouterConfig {
+        peer_source: peers(kvroute_discovery::PeerUrl::parse(&a.internal_url()).unwrap()),
+        bootstrap: kvroute::peer::bootstrap::BootstrapConfig {
+            timeout_ms: 2_000,
+            ..Default::default()
+        },
+        ..router_config(&urls(&fleet))
+    })
+    .await
+    .unwrap();
+    let base = b.url();
+    let outcomes = wait_until(
+        "B to settle both ranks without a warm sibling",
+        std::time::Duration::from_secs(30),
+        || async {
+            let w = workers(&base).await;
+            let outcomes: Vec<String> = w["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|w| w["kv_ranks"].as_array().cloned().unwrap_or_default())
+                .map(|r| {
+                    r["bootstrap"]["outcome"]
+                        .as_str()
+                        .unwrap_or("-")
+                        .to_string()
+                })
+                .collect();
+            if outcomes.len() == 2 && outcomes.iter().all(|o| o != "-") {
+                Ok(outcomes)
+            } else {
+                Err(w.to_string())
+            }
+        },
+    )
+    .await;
+    assert!(
+        outcomes.iter().all(|o| o == "from_engine_replay"),
+        "an unready sibling is never a seed; the young engine's replay is: {outcomes:?}"
+    );
+    let metrics = metrics_text(&base).await;
+    assert!(
+        !metrics.contains("kvroute_bootstrap_sweeps_total{verdict=\"found\"}"),
+        "no sweep may have found a snapshot:\n{metrics}"
+    );
+    // B holds what the engine holds: the 3-block chain on rank 0.
+    let view = match_view(&a_reader(&b), &prompt, bs);
+    assert_eq!(
+        view.get(&(engine.http_url(), 0)).map(|m| m.0),
+        Some(3),
+        "{view:?}"
+    );
+    b.shutdown().await;
+    a.shutdown().await;
+    fleet.shutdown().await;
+}
