@@ -786,36 +786,9 @@ async fn a_replica_started_beside_a_warm_one_grafts_its_index_and_answers_like_i
     .unwrap();
     let base = b.url();
     // Every rank settles, and settles warm: its splice was proven.
-    let outcomes = wait_until(
-        "every rank of B to settle its bootstrap",
-        std::time::Duration::from_secs(30),
-        || async {
-            let w = workers(&base).await;
-            let ranks: Vec<(String, String)> = w["workers"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|w| w["kv_ranks"].as_array().cloned().unwrap_or_default())
-                .map(|r| {
-                    (
-                        r["bootstrap"]["state"].as_str().unwrap_or("?").to_string(),
-                        r["bootstrap"]["outcome"]
-                            .as_str()
-                            .unwrap_or("-")
-                            .to_string(),
-                    )
-                })
-                .collect();
-            if ranks.len() == 4 && ranks.iter().all(|(s, _)| s == "settled") {
-                Ok(ranks)
-            } else {
-                Err(format!("{ranks:?}"))
-            }
-        },
-    )
-    .await;
+    let outcomes = wait_bootstrap_settled(&base, 4).await;
     assert!(
-        outcomes.iter().all(|(_, o)| o == "warm"),
+        outcomes.iter().all(|o| o == "warm"),
         "every rank's splice must be proven: {outcomes:?}"
     );
     let ready = client().get(format!("{base}/readyz")).send().await.unwrap();
@@ -892,31 +865,7 @@ async fn a_sibling_still_bootstrapping_is_never_taken_as_warm() {
     .await
     .unwrap();
     let base = b.url();
-    let outcomes = wait_until(
-        "B to settle both ranks without a warm sibling",
-        std::time::Duration::from_secs(30),
-        || async {
-            let w = workers(&base).await;
-            let outcomes: Vec<String> = w["workers"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|w| w["kv_ranks"].as_array().cloned().unwrap_or_default())
-                .map(|r| {
-                    r["bootstrap"]["outcome"]
-                        .as_str()
-                        .unwrap_or("-")
-                        .to_string()
-                })
-                .collect();
-            if outcomes.len() == 2 && outcomes.iter().all(|o| o != "-") {
-                Ok(outcomes)
-            } else {
-                Err(w.to_string())
-            }
-        },
-    )
-    .await;
+    let outcomes = wait_bootstrap_settled(&base, 2).await;
     assert!(
         outcomes.iter().all(|o| o == "from_engine_replay"),
         "an unready sibling is never a seed; the young engine's replay is: {outcomes:?}"
@@ -935,5 +884,170 @@ async fn a_sibling_still_bootstrapping_is_never_taken_as_warm() {
     );
     b.shutdown().await;
     a.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// Waits until all `ranks` KV ranks listed on `base`'s `/workers` have settled their bootstrap,
+/// and returns their outcomes.
+async fn wait_bootstrap_settled(base: &str, ranks: usize) -> Vec<String> {
+    wait_until(
+        "every rank to settle its bootstrap",
+        std::time::Duration::from_secs(30),
+        || async {
+            let w = workers(base).await;
+            let outcomes: Vec<String> = w["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|w| w["kv_ranks"].as_array().cloned().unwrap_or_default())
+                .map(|r| {
+                    r["bootstrap"]["outcome"]
+                        .as_str()
+                        .unwrap_or("-")
+                        .to_string()
+                })
+                .collect();
+            if outcomes.len() == ranks && outcomes.iter().all(|o| o != "-") {
+                Ok(outcomes)
+            } else {
+                Err(w.to_string())
+            }
+        },
+    )
+    .await
+}
+
+fn static_peers(urls: &[String]) -> Option<kvroute_discovery::PeerSourceConfig> {
+    Some(kvroute_discovery::PeerSourceConfig::Static(
+        kvroute_discovery::StaticPeers {
+            peers: urls
+                .iter()
+                .map(|u| kvroute_discovery::PeerUrl::parse(u).unwrap())
+                .collect(),
+            advertise_url: None,
+        },
+    ))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// A replica whose sibling list names only itself never fetches from itself: no snapshot fetch
+/// is made at all, and its ranks settle from the engine (a young one here) when the search ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_never_fetches_its_own_snapshot() {
+    let fleet = fleet(1, 1, "m").await;
+    let internal_port = free_port();
+    let b = kvroute::serve(RouterConfig {
+        internal_port: Some(internal_port),
+        peer_source: static_peers(&[format!("http://127.0.0.1:{internal_port}")]),
+        bootstrap: kvroute::peer::bootstrap::BootstrapConfig {
+            timeout_ms: 1_000,
+            ..Default::default()
+        },
+        ..router_config(&urls(&fleet))
+    })
+    .await
+    .unwrap();
+    let outcomes = wait_bootstrap_settled(&b.url(), 1).await;
+    assert_eq!(outcomes, ["from_engine_replay"]);
+    let text = metrics_text(&b.url()).await;
+    assert!(
+        !text.contains("kvroute_bootstrap_snapshot_fetches_total{"),
+        "no fetch may have been made, to itself or anyone:\n{text}"
+    );
+    b.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// A sibling without the snapshot endpoint (an older build, or not a kvroute at all: here an
+/// engine's HTTP port, which answers 404) is "nothing to serve", not a failure that holds
+/// readiness: the search ends fleet-cold at once and the replica serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_without_the_endpoint_is_cold_and_never_holds_readiness() {
+    let fleet = fleet(1, 1, "m").await;
+    let not_a_router = fleet.engines[0].http_url();
+    let b = kvroute::serve(RouterConfig {
+        peer_source: static_peers(&[not_a_router]),
+        ..router_config(&urls(&fleet))
+    })
+    .await
+    .unwrap();
+    let outcomes = wait_bootstrap_settled(&b.url(), 1).await;
+    assert_ne!(outcomes, ["warm"], "nothing was there to graft");
+    let text = metrics_text(&b.url()).await;
+    assert!(
+        text.contains("kvroute_bootstrap_snapshot_fetches_total{result=\"no_snapshot\"}"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kvroute_bootstrap_sweeps_total{verdict=\"fleet_cold\"}"),
+        "{text}"
+    );
+    let ready = client()
+        .get(format!("{}/readyz", b.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200, "fleet cold never holds readiness");
+    b.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// `--kv-bootstrap-seed-required`: a search that timed out over siblings it tried, without a
+/// seed, keeps `/readyz` at 503 after every rank has settled, but only up to 3x the bootstrap
+/// timeout, so a dead fleet cannot hold a replica unready forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_required_holds_readiness_after_a_failed_search_but_not_forever() {
+    let fleet = fleet(1, 1, "m").await;
+    let b = kvroute::serve(RouterConfig {
+        peer_source: static_peers(&["http://127.0.0.1:9".to_string()]),
+        bootstrap: kvroute::peer::bootstrap::BootstrapConfig {
+            timeout_ms: 1_000,
+            seed_required: true,
+            ..Default::default()
+        },
+        ..router_config(&urls(&fleet))
+    })
+    .await
+    .unwrap();
+    let base = b.url();
+    wait_bootstrap_settled(&base, 1).await;
+    let readyz = || async {
+        client()
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+            .map_err(|e| e.to_string())
+    };
+    wait_until(
+        "/readyz to be held for the missing seed",
+        std::time::Duration::from_secs(10),
+        || async {
+            let text = metrics_text(&base).await;
+            match readyz().await? {
+                503 if text.contains("kvroute_bootstrap_seed_failed 1") => Ok(()),
+                other => Err(format!("status {other}")),
+            }
+        },
+    )
+    .await;
+    wait_until(
+        "/readyz to open after 3x the timeout",
+        std::time::Duration::from_secs(15),
+        || async {
+            match readyz().await? {
+                200 => Ok(()),
+                other => Err(format!("status {other}")),
+            }
+        },
+    )
+    .await;
+    b.shutdown().await;
     fleet.shutdown().await;
 }
