@@ -20,39 +20,32 @@ use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
 use kvroute_index::{
     GRAFT_SLICE_ITEMS_MAX, GraftPlan, GraftProgress, IndexConfig, IndexWriter, PrefixIndex, RankId,
 };
-use kvroute_wire::event::{BlockStored, EngineHash, EventBatch, KvEvent};
+use kvroute_wire::event::{EngineHash, EventBatch, KvEvent};
 use kvroute_wire::snapshot::{IndexSnapshot, RankRef};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const BLOCK_SIZE: u32 = 16;
+#[path = "support/chat_shape.rs"]
+mod support;
+
+use support::{BLOCK_SIZE, BLOCKS_PER_EVENT, Draws, store_event, token};
+
+impl Draws for StdRng {
+    fn unit(&mut self) -> f64 {
+        self.random()
+    }
+    fn tail_blocks(&mut self) -> usize {
+        self.random_range(16..=160usize)
+    }
+}
+
 const SNAPSHOT_RANKS: u32 = 64;
 const LIVE_RANKS: u32 = 8;
 const BLOCKS_PER_RANK: u64 = 100_000;
-const SYSTEM_PROMPTS: u32 = 300;
-const BLOCKS_PER_EVENT: usize = 16;
 const LIVE_EVENTS: usize = 4096;
 
 /// Slice sizes tried, in graft items (a node visited, a carrier placed or filed).
 const SLICE_ITEMS: [usize; 4] = [8_192, 32_768, 131_072, 524_288];
-
-fn token(seed: u64, pos: u64) -> u32 {
-    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ pos.wrapping_mul(0xD6E8_FEB8_6659_FD93);
-    z ^= z >> 32;
-    (z % 128_000) as u32
-}
-
-fn sys_blocks(p: u32) -> usize {
-    64 + (p as usize * 37) % 193
-}
-
-fn sys_seed(p: u32) -> u64 {
-    1 << 40 | u64::from(p)
-}
-
-fn store_event(hashes: Vec<EngineHash>, parent: Option<EngineHash>, tokens: Vec<u32>) -> KvEvent {
-    KvEvent::BlockStored(BlockStored::new(hashes, parent, tokens, BLOCK_SIZE))
-}
 
 fn rank_ref(net: u32, rank: u32) -> RankRef {
     RankRef {
@@ -80,55 +73,15 @@ fn populate(w: &mut IndexWriter, net: u32, ranks: u32, seed: u64) -> Vec<RankId>
             w.apply_batch(id, seq, &batch);
             seq += 1;
         };
-        let mut has_prompt = vec![None::<EngineHash>; SYSTEM_PROMPTS as usize];
-        let mut carried = 0u64;
-        let mut conv = 0u64;
-        while carried < BLOCKS_PER_RANK {
-            let u: f64 = rng.random();
-            let p = ((u * u) * f64::from(SYSTEM_PROMPTS)) as u32 % SYSTEM_PROMPTS;
-            let last_sys = match has_prompt[p as usize] {
-                Some(h) => h,
-                None => {
-                    let n = sys_blocks(p);
-                    let mut parent = None;
-                    for start in (0..n).step_by(BLOCKS_PER_EVENT) {
-                        let k = BLOCKS_PER_EVENT.min(n - start);
-                        let hashes: Vec<EngineHash> = (0..k)
-                            .map(|i| EngineHash(sys_seed(p) << 12 | (start + i) as u64))
-                            .collect();
-                        let tokens = (0..k as u64 * u64::from(BLOCK_SIZE))
-                            .map(|t| token(sys_seed(p), start as u64 * 16 + t))
-                            .collect();
-                        let last = hashes[k - 1];
-                        apply(w, store_event(hashes, parent, tokens));
-                        parent = Some(last);
-                    }
-                    carried += n as u64;
-                    has_prompt[p as usize] = parent;
-                    parent.expect("prompt has blocks")
-                }
-            };
-            let tail = rng.random_range(16..=160usize);
-            let conv_seed = 2 << 40 | u64::from(net) << 36 | u64::from(rank) << 20 | conv;
-            conv += 1;
-            let mut parent = Some(last_sys);
-            for start in (0..tail).step_by(BLOCKS_PER_EVENT) {
-                let k = BLOCKS_PER_EVENT.min(tail - start);
-                let hashes: Vec<EngineHash> = (0..k)
-                    .map(|_| {
-                        engine_seq += 1;
-                        EngineHash(engine_seq)
-                    })
-                    .collect();
-                let tokens = (0..k as u64 * u64::from(BLOCK_SIZE))
-                    .map(|t| token(conv_seed, start as u64 * 16 + t))
-                    .collect();
-                let last = hashes[k - 1];
-                apply(w, store_event(hashes, parent, tokens));
-                parent = Some(last);
-            }
-            carried += tail as u64;
-        }
+        support::chat_rank(
+            &mut rng,
+            &mut engine_seq,
+            net,
+            rank,
+            BLOCKS_PER_RANK,
+            |ev| apply(w, ev),
+            |_| {},
+        );
     }
     ids
 }

@@ -19,10 +19,23 @@ use std::time::Instant;
 
 use kvroute_index::hash::{BASE_NAMESPACE, hash_token_blocks};
 use kvroute_index::{IndexConfig, PrefixIndex, PrefixMatch};
-use kvroute_wire::event::{BlockStored, EngineHash, KvEvent};
 use kvroute_wire::snapshot::RankRef;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+#[path = "support/chat_shape.rs"]
+mod support;
+
+use support::{BLOCK_SIZE, Draws, sys_blocks, sys_seed, token};
+
+impl Draws for StdRng {
+    fn unit(&mut self) -> f64 {
+        self.random()
+    }
+    fn tail_blocks(&mut self) -> usize {
+        self.random_range(16..=160usize)
+    }
+}
 
 struct Counting;
 
@@ -47,48 +60,18 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-const BLOCK_SIZE: u32 = 16;
 const RANKS: u32 = 64;
 const BLOCKS_PER_RANK: u64 = 100_000;
-const SYSTEM_PROMPTS: u32 = 300;
-const BLOCKS_PER_EVENT: usize = 16;
 const PROMPT_BLOCKS: usize = 512; // 8,192 tokens
 const QUERIES: usize = 20_000;
 
 /// Deterministic token `pos` of a stream named by `seed`.
-fn token(seed: u64, pos: u64) -> u32 {
-    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ pos.wrapping_mul(0xD6E8_FEB8_6659_FD93);
-    z ^= z >> 32;
-    (z % 128_000) as u32
-}
-
-fn sys_blocks(p: u32) -> usize {
-    64 + (p as usize * 37) % 193 // 64..=256 blocks = 1k..4k tokens
-}
-
-fn sys_seed(p: u32) -> u64 {
-    1 << 40 | u64::from(p)
-}
-
-fn conv_seed(rank: u32, conv: u32) -> u64 {
-    2 << 40 | u64::from(rank) << 20 | u64::from(conv)
-}
-
 /// A conversation: system prompt `prompt` then `tail_blocks` blocks of stream `conv_seed`.
 #[derive(Clone, Copy)]
 struct Conv {
     prompt: u32,
     seed: u64,
     tail_blocks: usize,
-}
-
-fn skewed_prompt(rng: &mut StdRng) -> u32 {
-    let u: f64 = rng.random();
-    ((u * u) * f64::from(SYSTEM_PROMPTS)) as u32 % SYSTEM_PROMPTS
-}
-
-fn store_event(hashes: Vec<EngineHash>, parent: Option<EngineHash>, tokens: Vec<u32>) -> KvEvent {
-    KvEvent::BlockStored(BlockStored::new(hashes, parent, tokens, BLOCK_SIZE))
 }
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {
@@ -111,60 +94,23 @@ fn main() {
             worker_url: format!("http://10.0.0.{rank}:8000"),
             dp_rank: 0,
         });
-        let mut has_prompt = vec![None::<EngineHash>; SYSTEM_PROMPTS as usize];
-        let mut carried = 0u64;
-        let mut conv = 0u32;
-        while carried < BLOCKS_PER_RANK {
-            let p = skewed_prompt(&mut rng);
-            let last_sys = match has_prompt[p as usize] {
-                Some(h) => h,
-                None => {
-                    let n = sys_blocks(p);
-                    let mut parent = None;
-                    for start in (0..n).step_by(BLOCKS_PER_EVENT) {
-                        let k = BLOCKS_PER_EVENT.min(n - start);
-                        // Engines with one hash seed name equal content equally: use the prompt.
-                        let hashes: Vec<EngineHash> = (0..k)
-                            .map(|i| EngineHash(sys_seed(p) << 12 | (start + i) as u64))
-                            .collect();
-                        let tokens = (0..k as u64 * u64::from(BLOCK_SIZE))
-                            .map(|t| token(sys_seed(p), start as u64 * 16 + t))
-                            .collect();
-                        let last = hashes[k - 1];
-                        w.apply_event(id, &store_event(hashes, parent, tokens));
-                        parent = Some(last);
-                    }
-                    carried += n as u64;
-                    has_prompt[p as usize] = parent;
-                    parent.expect("prompt has blocks")
-                }
-            };
-            let tail = rng.random_range(16..=160usize);
-            let seed = conv_seed(rank, conv);
-            conv += 1;
-            let mut parent = Some(last_sys);
-            for start in (0..tail).step_by(BLOCKS_PER_EVENT) {
-                let k = BLOCKS_PER_EVENT.min(tail - start);
-                let hashes: Vec<EngineHash> = (0..k)
-                    .map(|_| {
-                        engine_seq += 1;
-                        EngineHash(engine_seq)
-                    })
-                    .collect();
-                let tokens = (0..k as u64 * u64::from(BLOCK_SIZE))
-                    .map(|t| token(seed, start as u64 * 16 + t))
-                    .collect();
-                let last = hashes[k - 1];
-                w.apply_event(id, &store_event(hashes, parent, tokens));
-                parent = Some(last);
-            }
-            carried += tail as u64;
-            convs.push(Conv {
-                prompt: p,
-                seed,
-                tail_blocks: tail,
-            });
-        }
+        support::chat_rank(
+            &mut rng,
+            &mut engine_seq,
+            0,
+            rank,
+            BLOCKS_PER_RANK,
+            |ev| {
+                w.apply_event(id, &ev);
+            },
+            |c| {
+                convs.push(Conv {
+                    prompt: c.prompt,
+                    seed: c.seed,
+                    tail_blocks: c.tail_blocks,
+                })
+            },
+        );
     }
     let build_s = t_build.elapsed().as_secs_f64();
     let convs_bytes = (convs.capacity() * std::mem::size_of::<Conv>()) as i64;

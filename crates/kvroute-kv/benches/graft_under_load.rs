@@ -31,16 +31,18 @@ use kvroute_index::{GRAFT_SLICE_ITEMS_MAX, GraftPlan, IndexConfig, PrefixIndex};
 use kvroute_kv::RankKey;
 use kvroute_kv::bootstrap::{BootstrapEvent, GraftDisposition, GraftTarget};
 use kvroute_kv::testing::{DriverConfig, PumpDriver};
-use kvroute_wire::event::{BlockStored, EngineHash, EventBatch, KvEvent};
+use kvroute_wire::event::{EngineHash, EventBatch};
 use kvroute_wire::snapshot::RankRef;
 use parking_lot::Mutex;
 
-const BLOCK_SIZE: u32 = 16;
+#[path = "../../kvroute-index/benches/support/chat_shape.rs"]
+mod support;
+
+use support::{BLOCK_SIZE, BLOCKS_PER_EVENT, token};
+
 const SNAPSHOT_RANKS: u32 = 64;
 const LIVE_RANKS: u32 = 8;
 const BLOCKS_PER_RANK: u64 = 100_000;
-const SYSTEM_PROMPTS: u32 = 300;
-const BLOCKS_PER_EVENT: usize = 16;
 const LIVE_BATCHES_PER_S: u64 = 10_000;
 /// Live batches are sent in bursts every tick (tokio timers are millisecond-grained).
 const LIVE_TICK_MS: u64 = 1;
@@ -75,18 +77,13 @@ impl StdRng {
     }
 }
 
-fn token(seed: u64, pos: u64) -> u32 {
-    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ pos.wrapping_mul(0xD6E8_FEB8_6659_FD93);
-    z ^= z >> 32;
-    (z % 128_000) as u32
-}
-
-fn sys_blocks(p: u32) -> usize {
-    64 + (p as usize * 37) % 193
-}
-
-fn sys_seed(p: u32) -> u64 {
-    1 << 40 | u64::from(p)
+impl support::Draws for StdRng {
+    fn unit(&mut self) -> f64 {
+        self.random()
+    }
+    fn tail_blocks(&mut self) -> usize {
+        self.random_range(16..=160usize)
+    }
 }
 
 fn store(
@@ -97,9 +94,7 @@ fn store(
 ) -> EventBatch {
     EventBatch {
         ts,
-        events: vec![KvEvent::BlockStored(BlockStored::new(
-            hashes, parent, tokens, BLOCK_SIZE,
-        ))],
+        events: vec![support::store_event(hashes, parent, tokens)],
         dp_rank: None,
     }
 }
@@ -129,60 +124,25 @@ struct RankStream {
 fn rank_stream(net: u32, rank: u32, blocks: u64, rng: &mut StdRng) -> RankStream {
     let mut engine_seq: u64 = u64::from(net) << 48 | u64::from(rank) << 32;
     let mut batches = Vec::new();
-    let mut has_prompt = vec![None::<EngineHash>; SYSTEM_PROMPTS as usize];
-    let mut carried = 0u64;
-    let mut conv = 0u64;
-    while carried < blocks {
-        let u = rng.random();
-        let p = ((u * u) * f64::from(SYSTEM_PROMPTS)) as u32 % SYSTEM_PROMPTS;
-        let last_sys = match has_prompt[p as usize] {
-            Some(h) => h,
-            None => {
-                let n = sys_blocks(p);
-                let mut parent = None;
-                for start in (0..n).step_by(BLOCKS_PER_EVENT) {
-                    let k = BLOCKS_PER_EVENT.min(n - start);
-                    let hashes: Vec<EngineHash> = (0..k)
-                        .map(|i| EngineHash(sys_seed(p) << 12 | (start + i) as u64))
-                        .collect();
-                    let tokens = (0..k as u64 * u64::from(BLOCK_SIZE))
-                        .map(|t| token(sys_seed(p), start as u64 * 16 + t))
-                        .collect();
-                    let last = hashes[k - 1];
-                    let ts = batches.len() as f64;
-                    batches.push(store(hashes, parent, tokens, ts));
-                    parent = Some(last);
-                }
-                carried += n as u64;
-                has_prompt[p as usize] = parent;
-                parent.expect("prompt has blocks")
-            }
-        };
-        let tail = rng.random_range(16..=160usize);
-        let conv_seed = 2 << 40 | u64::from(net) << 36 | u64::from(rank) << 20 | conv;
-        conv += 1;
-        let mut parent = Some(last_sys);
-        for start in (0..tail).step_by(BLOCKS_PER_EVENT) {
-            let k = BLOCKS_PER_EVENT.min(tail - start);
-            let hashes: Vec<EngineHash> = (0..k)
-                .map(|_| {
-                    engine_seq += 1;
-                    EngineHash(engine_seq)
-                })
-                .collect();
-            let tokens = (0..k as u64 * u64::from(BLOCK_SIZE))
-                .map(|t| token(conv_seed, start as u64 * 16 + t))
-                .collect();
-            let last = hashes[k - 1];
+    let prompt_tails = support::chat_rank(
+        rng,
+        &mut engine_seq,
+        net,
+        rank,
+        blocks,
+        |ev| {
             let ts = batches.len() as f64;
-            batches.push(store(hashes, parent, tokens, ts));
-            parent = Some(last);
-        }
-        carried += tail as u64;
-    }
+            batches.push(EventBatch {
+                ts,
+                events: vec![ev],
+                dp_rank: None,
+            });
+        },
+        |_| {},
+    );
     RankStream {
         batches,
-        prompt_tails: has_prompt.into_iter().flatten().collect(),
+        prompt_tails,
         next_engine: engine_seq + 1,
     }
 }
