@@ -929,13 +929,6 @@ fn static_peers(urls: &[String]) -> Option<kvroute_discovery::PeerSourceConfig> 
     ))
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 /// A replica whose sibling list names only itself never fetches from itself: no snapshot fetch
 /// is made at all, and its ranks settle from the engine (a young one here) when the search ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

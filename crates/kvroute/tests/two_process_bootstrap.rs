@@ -27,13 +27,6 @@ impl Drop for RouterProcess {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 fn spawn_router(engine_url: &str, extra: &[String]) -> (RouterProcess, u16) {
     let port = free_port();
     let internal = free_port();

@@ -26,7 +26,7 @@
 //! internal listener's `producer_ready` reads the same gate, so a replica still bootstrapping
 //! never serves its index to a sibling as warm.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -221,6 +221,8 @@ pub struct Bootstrap {
     state: Arc<Mutex<GateState>>,
     metrics: BootstrapMetrics,
     config: BootstrapConfig,
+    /// The per-fetch timeout derived from the config (a strict fraction of the deadline, capped).
+    fetch_timeout_ms: u64,
     started: Instant,
 }
 
@@ -233,6 +235,7 @@ impl Bootstrap {
             config.fetch_timeout_cap_ms,
             BOOTSTRAP_EXPECTED_SNAPSHOT_BYTES,
         );
+        let fetch_timeout_ms = timeout.timeout_ms;
         if let Some(w) = timeout.warning {
             tracing::warn!(
                 fetch_timeout_ms = w.timeout_ms,
@@ -249,6 +252,7 @@ impl Bootstrap {
             state: Arc::new(Mutex::new(GateState::default())),
             metrics,
             config,
+            fetch_timeout_ms,
             started: Instant::now(),
         })
     }
@@ -280,12 +284,7 @@ impl Bootstrap {
     ) -> Option<tokio::task::JoinHandle<()>> {
         let commands = self.rx.lock().take()?;
         let events = plane.take_bootstrap_events()?;
-        let fetch_timeout_ms = fetch_timeout(
-            self.config.timeout_ms,
-            self.config.fetch_timeout_cap_ms,
-            BOOTSTRAP_EXPECTED_SNAPSHOT_BYTES,
-        )
-        .timeout_ms;
+        let fetch_timeout_ms = self.fetch_timeout_ms;
         let (results_tx, results) = mpsc::channel(BOOTSTRAP_RESULTS_MAX);
         let task = Task {
             config: self.config.clone(),
@@ -310,10 +309,12 @@ fn elapsed_ms(started: Instant) -> u64 {
     u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
-/// One model's search: its coordinator and what it knows of each sibling.
+/// One model's search: its coordinator, what it knows of each sibling, and which rank each
+/// obligation it may still be holding stands for (the coordinator's "is this still owed?").
 struct ModelSweep {
     coordinator: Coordinator<PeerUrl>,
     book: PeerBook<PeerUrl>,
+    owed: HashMap<(RankId, u64), RankKey>,
 }
 
 /// A rank registered for bootstrap that has not reported `Finished` yet.
@@ -405,6 +406,7 @@ impl Task {
                     .or_insert_with(|| ModelSweep {
                         coordinator: Coordinator::new(fetch_timeout_ms),
                         book: PeerBook::new(self.self_url.clone()),
+                        owed: HashMap::new(),
                     });
                 for dp_rank in 0..dp_size {
                     let Some(&rank) = local.get(&(url.clone(), dp_rank)) else {
@@ -415,7 +417,8 @@ impl Task {
                         url: Arc::from(url.as_str()),
                         dp_rank,
                     };
-                    self.pending.insert(
+                    sweep.owed.insert((rank, incarnation), key.clone());
+                    let earlier = self.pending.insert(
                         key,
                         PendingRank {
                             model: model.clone(),
@@ -423,6 +426,13 @@ impl Task {
                             rank,
                         },
                     );
+                    // A re-registration: the older incarnation owes nothing any more.
+                    if let Some(old) = earlier
+                        && old.model == model
+                        && old.incarnation != incarnation
+                    {
+                        sweep.owed.remove(&(old.rank, old.incarnation));
+                    }
                     sweep.coordinator.submit(
                         Obligation {
                             rank,
@@ -434,7 +444,15 @@ impl Task {
                 }
             }
             Command::Removed { url } => {
-                self.pending.retain(|k, _| &*k.url != url.as_str());
+                let gone: Vec<RankKey> = self
+                    .pending
+                    .keys()
+                    .filter(|k| &*k.url == url.as_str())
+                    .cloned()
+                    .collect();
+                for key in gone {
+                    self.forget(&key);
+                }
             }
         }
     }
@@ -451,7 +469,7 @@ impl Task {
                     .get(&key)
                     .is_some_and(|p| p.incarnation == incarnation)
                 {
-                    self.pending.remove(&key);
+                    self.forget(&key);
                     tracing::info!(url = %key.url, dp_rank = key.dp_rank, outcome = outcome.label(),
                         "rank bootstrap settled");
                     if self.pending.is_empty() {
@@ -525,20 +543,22 @@ impl Task {
         };
         let now = self.now_ms();
         let deadline = self.deadline_ms();
-        let owed = self.owed_set();
         let models: Vec<String> = self.models.keys().cloned().collect();
         for model in models {
-            let Some(sweep) = self.models.get_mut(&model) else {
+            let Some(ModelSweep {
+                coordinator,
+                book,
+                owed,
+            }) = self.models.get_mut(&model)
+            else {
                 continue;
             };
-            if sweep.coordinator.is_idle() {
+            if coordinator.is_idle() {
                 continue;
             }
-            let tick = sweep
-                .coordinator
-                .poll(&view, &sweep.book, now, deadline, |ob| {
-                    owed.contains(&(model.clone(), ob.rank, ob.incarnation.0))
-                });
+            let tick = coordinator.poll(&view, book, now, deadline, |ob| {
+                owed.contains_key(&(ob.rank, ob.incarnation.0))
+            });
             self.handle_tick(&model, tick);
         }
     }
@@ -555,32 +575,35 @@ impl Task {
             ever_had_peers,
         };
         let now = self.now_ms();
-        let owed = self.owed_set();
-        let Some(sweep) = self.models.get_mut(&model) else {
+        let Some(ModelSweep {
+            coordinator,
+            book,
+            owed,
+        }) = self.models.get_mut(&model)
+        else {
             return;
         };
-        let tick = sweep
-            .coordinator
-            .on_answer(&order, result, &view, &mut sweep.book, now, |ob| {
-                owed.contains(&(model.clone(), ob.rank, ob.incarnation.0))
-            });
+        let tick = coordinator.on_answer(&order, result, &view, book, now, |ob| {
+            owed.contains_key(&(ob.rank, ob.incarnation.0))
+        });
         self.handle_tick(&model, tick);
     }
 
-    fn owed_set(&self) -> HashSet<(String, RankId, u64)> {
-        self.pending
-            .values()
-            .map(|p| (p.model.clone(), p.rank, p.incarnation))
-            .collect()
+    /// The rank owes nothing any more (settled, or its worker removed).
+    fn forget(&mut self, key: &RankKey) {
+        if let Some(p) = self.pending.remove(key)
+            && let Some(sweep) = self.models.get_mut(&p.model)
+        {
+            sweep.owed.remove(&(p.rank, p.incarnation));
+        }
     }
 
     fn key_of(&self, model: &str, ob: &Obligation) -> Option<RankKey> {
-        self.pending
-            .iter()
-            .find(|(_, p)| {
-                p.model == model && p.rank == ob.rank && p.incarnation == ob.incarnation.0
-            })
-            .map(|(k, _)| k.clone())
+        self.models
+            .get(model)?
+            .owed
+            .get(&(ob.rank, ob.incarnation.0))
+            .cloned()
     }
 
     fn handle_tick(&mut self, model: &str, tick: Tick<PeerUrl>) {

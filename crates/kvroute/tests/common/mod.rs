@@ -218,3 +218,12 @@ pub async fn store_until_indexed(
     )
     .await;
 }
+
+/// A port nothing listens on right now (bound and released; a test that starts a server on it
+/// right away is racing only other processes of this machine).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
