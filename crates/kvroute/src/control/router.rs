@@ -186,24 +186,8 @@ impl Router {
                 .on_event(HealthEvent::CheckOk, Instant::now(), 1, Duration::ZERO);
         }
         let kv_attached = self
-            .kv
-            .attach(
-                &spec.url,
-                &model,
-                info.kv.as_ref(),
-                self.bootstrap.is_some(),
-            )
+            .attach_kv(&spec.url, &model, info.kv.as_ref(), info.dp_size)
             .await;
-        if let (Some(bootstrap), Ok(incarnation)) = (&self.bootstrap, &kv_attached) {
-            bootstrap
-                .send(Command::Registered {
-                    model: model.clone(),
-                    url: spec.url.clone(),
-                    dp_size: info.dp_size,
-                    incarnation: *incarnation,
-                })
-                .await;
-        }
         if let Err(reason) = &kv_attached {
             tracing::warn!(url = %spec.url, %reason, "no KV events from this worker; it is routed on load only");
         }
@@ -211,6 +195,33 @@ impl Router {
         tracing::info!(id = worker.id, url = %spec.url, %model, dp_size = info.dp_size, block_size,
             kv = info.kv_source, "worker registered");
         Ok(worker)
+    }
+
+    /// Attaches a worker's KV events to the plane; with peer bootstrap on, its ranks hold their
+    /// batches and the bootstrap task is told about them. The one path for a registration and
+    /// for a late discovery.
+    async fn attach_kv(
+        &self,
+        url: &str,
+        model: &str,
+        kv: Option<&kvroute_kv::KvEventsConfig>,
+        dp_size: u32,
+    ) -> Result<u64, String> {
+        let attached = self
+            .kv
+            .attach(url, model, kv, self.bootstrap.is_some())
+            .await;
+        if let (Some(bootstrap), Ok(incarnation)) = (&self.bootstrap, &attached) {
+            bootstrap
+                .send(Command::Registered {
+                    model: model.to_string(),
+                    url: url.to_string(),
+                    dp_size,
+                    incarnation: *incarnation,
+                })
+                .await;
+        }
+        attached
     }
 
     pub async fn deregister(&self, id: WorkerId) -> Option<Arc<Worker>> {
@@ -278,19 +289,8 @@ impl Router {
                         "worker reports another dp_size than it was registered with; re-add it to use all ranks");
                 }
                 let attached = self
-                    .kv
-                    .attach(&w.url, &w.model, info.kv.as_ref(), self.bootstrap.is_some())
+                    .attach_kv(&w.url, &w.model, info.kv.as_ref(), w.dp_size)
                     .await;
-                if let (Some(bootstrap), Ok(incarnation)) = (&self.bootstrap, &attached) {
-                    bootstrap
-                        .send(Command::Registered {
-                            model: w.model.clone(),
-                            url: w.url.clone(),
-                            dp_size: w.dp_size,
-                            incarnation: *incarnation,
-                        })
-                        .await;
-                }
                 *w.kv_attach_error.lock() = attached.err();
                 w.discovered
                     .store(true, std::sync::atomic::Ordering::Relaxed);
