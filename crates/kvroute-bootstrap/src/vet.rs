@@ -267,7 +267,7 @@ pub enum Coverage {
     /// A ready producer lists the rank in `empty_ranks`: it holds nothing for it.
     Empty,
     /// Anything else: not in the snapshot, carries nothing without being listed empty, or
-    /// carries nodes but its cursor was dropped (it moved during the producer's walk).
+    /// carries nodes but has no cursor (its stream restarted during the producer's walk).
     Unknown,
 }
 

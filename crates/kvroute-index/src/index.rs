@@ -663,11 +663,27 @@ pub(crate) struct RankShared {
     pub(crate) rank_ref: RankRef,
     carried: AtomicU64,
     tiers: [AtomicU64; 4],
-    cursor: Mutex<Option<(i64, f64)>>,
+    cursor: Mutex<CursorCell>,
+}
+
+/// A rank's cursor and the epoch of the stream it belongs to.
+///
+/// The epoch counts every cursor change that is not a forward step of one publisher's stream
+/// (`None` -> `Some`, `Some` -> `None`, or a lower `seq`: a publisher reset, a discarded graft, a
+/// restore). An exporter that reads the cursor before and after its walk claims the earlier one
+/// only if the epoch is unchanged, so it never pairs a watermark with another stream's events.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CursorCell {
+    pub(crate) value: Option<(i64, f64)>,
+    pub(crate) stream_epoch: u64,
 }
 
 impl RankShared {
     pub(crate) fn cursor(&self) -> Option<(i64, f64)> {
+        self.cursor.lock().value
+    }
+
+    pub(crate) fn cursor_cell(&self) -> CursorCell {
         *self.cursor.lock()
     }
 }
@@ -946,7 +962,7 @@ impl IndexWriter {
             rank_ref: rank_ref.clone(),
             carried: AtomicU64::new(0),
             tiers: Default::default(),
-            cursor: Mutex::new(None),
+            cursor: Mutex::new(CursorCell::default()),
         });
         self.ranks.push(Some(WriterRank {
             side: HashTable::new(),
@@ -1038,9 +1054,17 @@ impl IndexWriter {
         }
     }
 
+    /// Sets `rank`'s cursor; any change that is not a forward step of the same stream starts a
+    /// new stream epoch (see [`CursorCell`]).
     pub fn set_cursor(&mut self, rank: RankId, cursor: Option<(i64, f64)>) {
         if let Some(Some(wr)) = self.ranks.get(rank.0 as usize) {
-            *wr.stats.cursor.lock() = cursor;
+            let mut cell = wr.stats.cursor.lock();
+            let forward =
+                matches!((cell.value, cursor), (Some((old, _)), Some((new, _))) if new >= old);
+            if !forward {
+                cell.stream_epoch += 1;
+            }
+            cell.value = cursor;
         }
     }
 

@@ -19,4 +19,4 @@ pub use index::{
     RankId, RankMatch, RankStats, ShardMemory, TIER_ALL, TIER_DEVICE, TIER_DISK, TIER_EXTERNAL,
     TIER_HOST,
 };
-pub use snapshot::{RestoreError, RestoreReport, retain_ranks, validate_snapshot};
+pub use snapshot::{ExportReport, RestoreError, RestoreReport, retain_ranks, validate_snapshot};

@@ -7,10 +7,25 @@
 //! honest:
 //! * nodes are linked by content hash, not slab index, and a node whose parent was not seen is
 //!   dropped (with its subtree), so a chunk race can lose blocks but never invent a broken tree;
-//! * cursors are read BEFORE the walk and again after it; a rank whose cursor moved loses its
-//!   cursor in the snapshot. The walk may have missed blocks the newer cursor covers, or include
-//!   blocks the older one does not, so neither value may be claimed; a consumer without a cursor
-//!   for the rank just replays (or refetches) it, which is always safe.
+//! * each rank's cursor is read BEFORE the walk, and that pre-walk cursor `c` is the snapshot's
+//!   watermark for the rank even when batches were applied during the walk, as long as they
+//!   belong to the same publisher stream (the cursor's stream epoch is unchanged and its `seq`
+//!   did not go back; otherwise the rank gets no cursor). The snapshot then holds every effect of
+//!   the batches `<= c` plus an arbitrary part of the effects of batches `c+1 ..` applied during
+//!   the walk. A consumer drops what it holds up to `c` and applies every batch above `c` in
+//!   order, and that converges to the producer's view, because every event names the keys it
+//!   writes (the rank's carrier of one block, or all of the rank's carriers) and the last write
+//!   to a key wins: a key no batch above `c` touched was constant during the walk, so the
+//!   snapshot has its value at `c`; a key some batch above `c` touched ends with the replayed
+//!   last write (re-storing a stored block and removing an absent one are no-ops). The one
+//!   exception only ever LOSES blocks: a `BlockStored` whose parent the same rank removed later
+//!   in the walk, when the walk already saw that removal, finds no parent on replay and is
+//!   dropped (as the index drops any store under an unknown parent), so a consumer may lack a
+//!   block the producer has, never hold one the producer does not (as long as the producer itself
+//!   never dropped a store of that stream). `tests/export_under_writes.rs` checks both halves
+//!   against a writer thread that never pauses. Requiring an unmoved cursor
+//!   instead would make every rank of a busy fleet uncoverable (every cursor moves during a
+//!   walk of a large index).
 //!
 //! Restore validates the whole snapshot before touching the index, so a malformed snapshot leaves
 //! the index exactly as it was, and names the first violation with its position.
@@ -248,10 +263,56 @@ struct Rec {
 const ROOT_REC: u32 = u32::MAX;
 const ORPHAN_REC: u32 = u32::MAX - 1;
 
+/// What an export saw of the writer while it walked.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExportReport {
+    /// Ranks whose cursor advanced during the walk; each keeps its pre-walk cursor as the
+    /// watermark (see the module doc).
+    pub cursors_advanced: usize,
+    /// Ranks whose cursor went to another stream during the walk (publisher reset, discarded
+    /// graft, cleared), or that had no cursor before it: they carry no cursor in the snapshot.
+    pub cursors_withheld: usize,
+}
+
+/// The cursor an export may claim for one rank, from its cells before and after the walk.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum WalkWatermark {
+    /// The pre-walk cursor; `advanced` when batches of the same stream applied during the walk.
+    Claim { seq: i64, ts: f64, advanced: bool },
+    /// The rank had no cursor before or after: nothing to claim, nothing moved.
+    NoStream,
+    /// Another stream began (or the cursor appeared) during the walk: no cursor may be claimed.
+    Withheld,
+}
+
+pub(crate) fn walk_watermark(
+    before: crate::index::CursorCell,
+    after: crate::index::CursorCell,
+) -> WalkWatermark {
+    match (before.value, after.value) {
+        (Some((seq, ts)), Some((after_seq, _)))
+            if before.stream_epoch == after.stream_epoch && after_seq >= seq =>
+        {
+            WalkWatermark::Claim {
+                seq,
+                ts,
+                advanced: after_seq != seq,
+            }
+        }
+        (None, None) if before.stream_epoch == after.stream_epoch => WalkWatermark::NoStream,
+        _ => WalkWatermark::Withheld,
+    }
+}
+
 impl IndexReader {
     /// A snapshot of the whole index; see the module doc for its consistency rules.
     /// `producer_ready` is always false: only the service knows whether to trust the index.
     pub fn export_snapshot(&self) -> IndexSnapshot {
+        self.export_snapshot_with_report().0
+    }
+
+    /// [`IndexReader::export_snapshot`], with what the walk saw of the writer.
+    pub fn export_snapshot_with_report(&self) -> (IndexSnapshot, ExportReport) {
         let shared = &self.shared;
         let table: Vec<(u32, Arc<crate::index::RankShared>)> = shared
             .ranks
@@ -260,8 +321,8 @@ impl IndexReader {
             .enumerate()
             .filter_map(|(i, r)| r.as_ref().map(|r| (i as u32, r.clone())))
             .collect();
-        let cursors_before: Vec<Option<(i64, f64)>> =
-            table.iter().map(|(_, r)| r.cursor()).collect();
+        let cursors_before: Vec<crate::index::CursorCell> =
+            table.iter().map(|(_, r)| r.cursor_cell()).collect();
         let id_limit = table.last().map_or(0, |(id, _)| *id as usize + 1);
         let mut snap_rank_of_id = vec![NONE; id_limit];
         for (pos, (id, _)) in table.iter().enumerate() {
@@ -461,20 +522,22 @@ impl IndexReader {
         }
 
         let mut cursors = Vec::new();
+        let mut report = ExportReport::default();
         for (pos, ((_, r), before)) in table.iter().zip(&cursors_before).enumerate() {
-            let after = r.cursor();
-            if let (Some(b), Some(a)) = (before, after)
-                && b.0 == a.0
-                && b.1.to_bits() == a.1.to_bits()
-            {
-                cursors.push(RankCursor {
-                    rank: pos as u32,
-                    seq: a.0,
-                    ts: a.1,
-                });
+            match walk_watermark(*before, r.cursor_cell()) {
+                WalkWatermark::Claim { seq, ts, advanced } => {
+                    report.cursors_advanced += usize::from(advanced);
+                    cursors.push(RankCursor {
+                        rank: pos as u32,
+                        seq,
+                        ts,
+                    });
+                }
+                WalkWatermark::NoStream => {}
+                WalkWatermark::Withheld => report.cursors_withheld += 1,
             }
         }
-        IndexSnapshot {
+        let snapshot = IndexSnapshot {
             format: SNAPSHOT_FORMAT,
             hash_scheme: HASH_SCHEME.to_string(),
             block_size: shared.cfg.block_size,
@@ -488,7 +551,8 @@ impl IndexReader {
                 .map(|(i, _)| i as u32)
                 .collect(),
             nodes: out,
-        }
+        };
+        (snapshot, report)
     }
 }
 
@@ -728,4 +792,93 @@ pub(crate) fn retain_ranks_validated(
         .collect();
     s.ranks = ranks;
     s.nodes = out;
+}
+
+#[cfg(test)]
+mod watermark_tests {
+    use super::*;
+    use crate::index::{CursorCell, IndexConfig, PrefixIndex};
+    use kvroute_wire::snapshot::RankRef;
+
+    fn cell(value: Option<(i64, f64)>, stream_epoch: u64) -> CursorCell {
+        CursorCell {
+            value,
+            stream_epoch,
+        }
+    }
+
+    #[test]
+    fn an_unmoved_cursor_is_claimed_as_is() {
+        let c = cell(Some((5, 1.5)), 3);
+        assert_eq!(
+            walk_watermark(c, c),
+            WalkWatermark::Claim {
+                seq: 5,
+                ts: 1.5,
+                advanced: false
+            }
+        );
+    }
+
+    #[test]
+    fn a_cursor_that_advanced_in_its_stream_claims_the_pre_walk_value() {
+        assert_eq!(
+            walk_watermark(cell(Some((5, 1.5)), 3), cell(Some((90, 9.0)), 3)),
+            WalkWatermark::Claim {
+                seq: 5,
+                ts: 1.5,
+                advanced: true
+            }
+        );
+    }
+
+    #[test]
+    fn a_new_stream_during_the_walk_withholds_the_cursor_even_when_it_climbed_past() {
+        assert_eq!(
+            walk_watermark(cell(Some((5, 1.5)), 3), cell(Some((900, 9.0)), 5)),
+            WalkWatermark::Withheld
+        );
+        assert_eq!(
+            walk_watermark(cell(Some((5, 1.5)), 3), cell(None, 4)),
+            WalkWatermark::Withheld
+        );
+        assert_eq!(
+            walk_watermark(cell(None, 3), cell(Some((1, 1.0)), 4)),
+            WalkWatermark::Withheld
+        );
+        assert_eq!(
+            walk_watermark(cell(None, 3), cell(None, 3)),
+            WalkWatermark::NoStream
+        );
+    }
+
+    #[test]
+    fn set_cursor_starts_a_new_stream_epoch_on_anything_but_a_forward_step() {
+        let (mut w, r) = PrefixIndex::new(IndexConfig {
+            block_size: 4,
+            shard_count: 1,
+            max_carried_blocks: 1_000,
+        });
+        let id = w.add_rank(RankRef {
+            worker_url: "http://e".into(),
+            dp_rank: 0,
+        });
+        let epoch = || {
+            r.shared.ranks.read()[id.0 as usize]
+                .as_ref()
+                .unwrap()
+                .cursor_cell()
+                .stream_epoch
+        };
+        let start = epoch();
+        w.set_cursor(id, Some((1, 1.0)));
+        assert_eq!(epoch(), start + 1, "None -> Some begins a stream");
+        w.set_cursor(id, Some((2, 2.0)));
+        w.set_cursor(id, Some((2, 2.5)));
+        assert_eq!(epoch(), start + 1, "forward steps keep the stream");
+        w.set_cursor(id, Some((0, 3.0)));
+        assert_eq!(epoch(), start + 2, "a lower seq is another stream");
+        w.set_cursor(id, None);
+        assert_eq!(epoch(), start + 3, "a cleared cursor ends the stream");
+    }
 }

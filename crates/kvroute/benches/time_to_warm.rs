@@ -82,6 +82,10 @@ fn router_config(urls: &[String]) -> RouterConfig {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    // RUST_LOG=kvroute=info shows the bootstrap's timeline.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .try_init();
     let engines = env("KVROUTE_WARM_ENGINES", 8);
     let dp = env("KVROUTE_WARM_DP", 8);
     let blocks = env("KVROUTE_WARM_BLOCKS", 100_000);
@@ -225,11 +229,27 @@ async fn main() {
         .text()
         .await
         .expect("metrics text");
-    for line in metrics
-        .lines()
-        .filter(|l| l.starts_with("kvroute_bootstrap_") || l.starts_with("kvroute_kv_grafts_total"))
-    {
+    for line in metrics.lines().filter(|l| {
+        (l.starts_with("kvroute_bootstrap_") && !l.contains("_bucket"))
+            || l.starts_with("kvroute_kv_grafts_total")
+            || l.starts_with("kvroute_kv_graft_slice_seconds_sum")
+            || l.starts_with("kvroute_kv_graft_slice_seconds_count")
+    }) {
         println!("  B {line}");
+    }
+    let metrics_a = reqwest::get(format!("{}/metrics", a.url()))
+        .await
+        .expect("A's metrics")
+        .text()
+        .await
+        .expect("metrics text");
+    for line in metrics_a.lines().filter(|l| {
+        l.starts_with("kvroute_snapshot_export_duration_seconds_sum")
+            || l.starts_with("kvroute_snapshot_export_duration_seconds_count")
+            || l.starts_with("kvroute_snapshot_encoded_bytes_sum")
+            || l.starts_with("kvroute_snapshot_bytes_served_total")
+    }) {
+        println!("  A {line}");
     }
     let during = published.load(Ordering::Relaxed) - published_at_start;
     stop.store(true, Ordering::Relaxed);

@@ -44,7 +44,7 @@ use kvroute_kv::{KvPlane, KvPlaneError};
 use kvroute_snapshot::DecodeLimits;
 use kvroute_wire::snapshot::RankRef;
 use parking_lot::Mutex;
-use prometheus::{IntCounterVec, IntGauge, Opts};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -163,6 +163,9 @@ struct BootstrapMetrics {
     settled: IntGauge,
     seed_failed: IntGauge,
     time_to_warm_ms: IntGauge,
+    /// Where time to warm goes: `fetch` (request to last body byte), `vet` (decode and checks),
+    /// `plan` (the graft plan, off the pump) and `graft` (offer to receipt, on the pump).
+    stage_seconds: HistogramVec,
 }
 
 impl BootstrapMetrics {
@@ -202,7 +205,18 @@ impl BootstrapMetrics {
         registry.register(Box::new(pending.clone()))?;
         registry.register(Box::new(settled.clone()))?;
         registry.register(Box::new(seed_failed.clone()))?;
+        let stage_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "kvroute_bootstrap_stage_seconds",
+                "Duration of each stage of taking a sibling's snapshot: fetch, vet, plan, graft.",
+            )
+            .buckets(vec![
+                0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ]),
+            &["stage"],
+        )?;
         registry.register(Box::new(time_to_warm_ms.clone()))?;
+        registry.register(Box::new(stage_seconds.clone()))?;
         Ok(BootstrapMetrics {
             sweeps,
             fetches,
@@ -210,6 +224,7 @@ impl BootstrapMetrics {
             settled,
             seed_failed,
             time_to_warm_ms,
+            stage_seconds,
         })
     }
 }
@@ -357,7 +372,17 @@ impl Task {
                 biased;
                 _ = self.cancel.cancelled() => return,
                 Some(event) = events.recv() => self.on_event(event),
-                Some(command) = commands.recv() => self.on_command(command),
+                Some(command) = commands.recv() => {
+                    // A registration is polled at once rather than at the next pass tick: the
+                    // first fetch of a boot is on the time-to-warm path. The coordinator keeps a
+                    // single pass in flight, so registrations arriving together still fold into
+                    // one fetch.
+                    let registered = matches!(command, Command::Registered { .. });
+                    self.on_command(command);
+                    if registered {
+                        self.poll_all();
+                    }
+                }
                 Some((model, order, result)) = results.recv() => self.on_answer(model, order, result),
                 _ = pass.tick() => self.poll_all(),
             }
@@ -675,7 +700,9 @@ impl Task {
         let plane = self.plane.clone();
         let model = model.to_string();
         let started = self.started;
+        let stages = self.metrics.stage_seconds.clone();
         tokio::spawn(async move {
+            let fetch_started = Instant::now();
             let answer = fetcher
                 .fetch_snapshot_answer(
                     order.peer.as_str(),
@@ -691,7 +718,14 @@ impl Task {
                         received_ms,
                         age_ms: resp.age_ms,
                     };
+                    stages
+                        .with_label_values(&["fetch"])
+                        .observe(fetch_started.elapsed().as_secs_f64());
+                    let vet_started = Instant::now();
                     let vetted = vet_response(&fetcher, &plane, &model, resp).await;
+                    stages
+                        .with_label_values(&["vet"])
+                        .observe(vet_started.elapsed().as_secs_f64());
                     FetchResult::Body { vetted, stamp }
                 }
                 SnapshotAnswer::NoSnapshot => FetchResult::NoSnapshot,
@@ -717,14 +751,19 @@ impl Task {
     ) {
         let plane = self.plane.clone();
         let model = model.to_string();
+        let stages = self.metrics.stage_seconds.clone();
         tokio::spawn(async move {
             let Some(block_size) = plane.model_view(&model).map(|v| v.block_size) else {
                 return;
             };
             let (snapshot, _) = vetted.into_parts();
+            let plan_started = Instant::now();
             let plan =
                 tokio::task::spawn_blocking(move || GraftPlan::new(snapshot, block_size, |_| true))
                     .await;
+            stages
+                .with_label_values(&["plan"])
+                .observe(plan_started.elapsed().as_secs_f64());
             let plan = match plan {
                 Ok(Ok(plan)) => plan,
                 Ok(Err(e)) => {
@@ -744,7 +783,12 @@ impl Task {
                 }
             };
             let offered = targets.clone();
-            match plane.graft(&model, plan, targets).await {
+            let graft_started = Instant::now();
+            let graft = plane.graft(&model, plan, targets).await;
+            stages
+                .with_label_values(&["graft"])
+                .observe(graft_started.elapsed().as_secs_f64());
+            match graft {
                 Ok(receipt) => {
                     // The plan had no cursor for these ranks (they keep holding): nothing can
                     // prove a graft for them, so they run cold from their live stream.

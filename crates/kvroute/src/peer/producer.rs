@@ -2,8 +2,11 @@
 //! encodes it once per wire variant.
 //!
 //! Consistency is the index's job: [`kvroute_index::IndexReader::export_snapshot`] reads every
-//! rank's cursor BEFORE walking the shards and drops the cursor of any rank that moved during
-//! the walk, so a snapshot never claims a cursor its nodes do not back. This module adds what
+//! rank's cursor BEFORE walking the shards and claims that pre-walk cursor as the rank's
+//! watermark, even when the rank's stream moved on during the walk: its nodes hold every effect
+//! up to the watermark plus part of the later ones, and a consumer that applies every batch above
+//! the watermark in order converges (the proof is in `kvroute_index::snapshot`'s doc). A rank
+//! whose stream restarted during the walk gets no cursor. This module adds what
 //! only the service knows: `producer_ready` (the model has at least one rank with a cursor AND
 //! this replica is ready), and how often the (costly) walk runs.
 //!
@@ -349,13 +352,15 @@ impl SnapshotProducer {
                 let started = Instant::now();
                 // Judged before the walk, like the cursors the export reads first.
                 let has_cursor = index_has_cursor(&reader);
-                let mut snapshot = reader.export_snapshot();
+                let (mut snapshot, report) = reader.export_snapshot_with_report();
                 snapshot.producer_ready = replica_ready && has_cursor;
                 walk_seconds.observe(started.elapsed().as_secs_f64());
                 tracing::debug!(
                     model = %model_name,
                     nodes = snapshot.nodes.len(),
                     carried = snapshot.nodes.carried_blocks(),
+                    cursors_advanced = report.cursors_advanced,
+                    cursors_withheld = report.cursors_withheld,
                     walk_ms = started.elapsed().as_millis() as u64,
                     "index exported"
                 );
