@@ -11,10 +11,15 @@ use clap::{Args, Parser, ValueEnum};
 use crate::config::{
     DEFAULT_BODY_MAX_BYTES, DEFAULT_KV_SNAPSHOT_MAX_BYTES, RouterConfig, WorkerSpec,
 };
+use crate::data_plane::limits::{
+    ClientLimits, DEFAULT_CLIENT_CONNECTIONS_MAX, DEFAULT_CLIENT_IDLE_TIMEOUT_MS,
+    DEFAULT_CLIENT_WRITE_TIMEOUT_MS, DEFAULT_REQUEST_BODY_TIMEOUT_MS,
+    DEFAULT_REQUEST_HEAD_TIMEOUT_MS,
+};
 use crate::peer::bootstrap::{
     BootstrapConfig, DEFAULT_BOOTSTRAP_FETCH_TIMEOUT_CAP_MS, DEFAULT_BOOTSTRAP_TIMEOUT_MS,
 };
-use crate::peer::internal::read_internal_auth_token;
+use crate::peer::internal::{read_internal_auth_token, read_token_file};
 use crate::routing::kv::KvFlagDefaults;
 use crate::routing::pending::DEFAULT_PENDING_PREFIX_TTL_MS;
 use crate::routing::policy::{
@@ -138,6 +143,38 @@ pub struct ServeArgs {
     /// used as the HMAC key of the binary snapshot (at least 16 printable bytes).
     #[arg(long, env = "KVROUTE_INTERNAL_AUTH_TOKEN_FILE")]
     pub internal_auth_token_file: Option<PathBuf>,
+    /// Start with the internal listener on a non-loopback address without
+    /// `--internal-auth-token-file` (anyone who reaches it can read the index and use the admin
+    /// API it serves).
+    #[arg(long, env = "KVROUTE_ALLOW_UNAUTHENTICATED_INTERNAL")]
+    pub allow_unauthenticated_internal: bool,
+    /// File holding the admin token: the admin API's mutating routes (`POST /workers`,
+    /// `DELETE /workers/{id}`, `POST /debug/route`) on the public listener then need
+    /// `Authorization: Bearer <token>` (at least 16 printable bytes).
+    #[arg(long, env = "KVROUTE_ADMIN_AUTH_TOKEN_FILE")]
+    pub admin_auth_token_file: Option<PathBuf>,
+    /// Serve the admin API's mutating routes without a token on a non-loopback public listener.
+    /// Without this flag or a token they are served there only on a loopback address, and
+    /// always on the internal listener.
+    #[arg(long, env = "KVROUTE_ALLOW_UNAUTHENTICATED_ADMIN")]
+    pub allow_unauthenticated_admin: bool,
+    /// Close a keep-alive client connection idle this long between requests.
+    #[arg(long, env = "KVROUTE_CLIENT_IDLE_TIMEOUT_MS", default_value_t = DEFAULT_CLIENT_IDLE_TIMEOUT_MS)]
+    pub client_idle_timeout_ms: u64,
+    /// A request's head must arrive within this long of its first byte (408 otherwise).
+    #[arg(long, env = "KVROUTE_REQUEST_HEAD_TIMEOUT_MS", default_value_t = DEFAULT_REQUEST_HEAD_TIMEOUT_MS)]
+    pub request_head_timeout_ms: u64,
+    /// A request's body must arrive within this long of its head (408 otherwise).
+    #[arg(long, env = "KVROUTE_REQUEST_BODY_TIMEOUT_MS", default_value_t = DEFAULT_REQUEST_BODY_TIMEOUT_MS)]
+    pub request_body_timeout_ms: u64,
+    /// Close a client that does not take a write of its answer within this long (its engine
+    /// request is dropped with it).
+    #[arg(long, env = "KVROUTE_CLIENT_WRITE_TIMEOUT_MS", default_value_t = DEFAULT_CLIENT_WRITE_TIMEOUT_MS)]
+    pub client_write_timeout_ms: u64,
+    /// Most client connections open at once on the public listener; one more is answered 503
+    /// and closed. Keep it below the process's file-descriptor limit.
+    #[arg(long, env = "KVROUTE_CLIENT_CONNECTIONS_MAX", default_value_t = DEFAULT_CLIENT_CONNECTIONS_MAX)]
+    pub client_connections_max: usize,
     /// Largest encoded snapshot served (507 beyond) or fetched from a sibling.
     #[arg(long, env = "KVROUTE_KV_SNAPSHOT_MAX_BYTES", default_value_t = DEFAULT_KV_SNAPSHOT_MAX_BYTES)]
     pub kv_snapshot_max_bytes: usize,
@@ -194,6 +231,24 @@ impl ServeArgs {
             .as_deref()
             .map(read_internal_auth_token)
             .transpose()?;
+        let admin_auth_token = self
+            .admin_auth_token_file
+            .as_deref()
+            .map(|p| read_token_file(p, "--admin-auth-token-file"))
+            .transpose()?;
+        for (flag, value) in [
+            ("--client-idle-timeout-ms", self.client_idle_timeout_ms),
+            ("--request-head-timeout-ms", self.request_head_timeout_ms),
+            ("--request-body-timeout-ms", self.request_body_timeout_ms),
+            ("--client-write-timeout-ms", self.client_write_timeout_ms),
+        ] {
+            if value == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+        }
+        if self.client_connections_max == 0 {
+            return Err("--client-connections-max must be at least 1".into());
+        }
         let peer_source = self
             .peers
             .to_config()
@@ -235,6 +290,16 @@ impl ServeArgs {
             internal_port: self.internal_port,
             internal_auth_token,
             kv_snapshot_max_bytes: self.kv_snapshot_max_bytes,
+            admin_auth_token,
+            allow_unauthenticated_admin: self.allow_unauthenticated_admin,
+            allow_unauthenticated_internal: self.allow_unauthenticated_internal,
+            client_limits: ClientLimits {
+                idle_timeout_ms: self.client_idle_timeout_ms,
+                head_timeout_ms: self.request_head_timeout_ms,
+                body_timeout_ms: self.request_body_timeout_ms,
+                write_timeout_ms: self.client_write_timeout_ms,
+                connections_max: self.client_connections_max,
+            },
             peer_source,
             bootstrap: BootstrapConfig {
                 timeout_ms: self.kv_bootstrap_timeout_ms,

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::control::readiness::ReadinessGate;
+use crate::data_plane::limits::ClientLimits;
 use crate::peer::bootstrap::BootstrapConfig;
 use crate::peer::fetch::{
     FETCH_CONNECT_TIMEOUT_MS, FETCH_READ_TIMEOUT_MS, FETCH_TOTAL_TIMEOUT_MS, FetchConfig,
@@ -95,6 +96,17 @@ pub struct RouterConfig {
     pub internal_auth_token: Option<Arc<[u8]>>,
     /// Largest encoded snapshot this replica serves (507 beyond) and its fetch client accepts.
     pub kv_snapshot_max_bytes: usize,
+    /// Contents of `--admin-auth-token-file`: when set, the admin API's mutating routes on the
+    /// public listener need `Authorization: Bearer <token>` (see [`crate::api::admin`]).
+    pub admin_auth_token: Option<Arc<[u8]>>,
+    /// `--allow-unauthenticated-admin`: serve the admin API's mutating routes without a token on
+    /// a public listener that is not loopback-bound.
+    pub allow_unauthenticated_admin: bool,
+    /// `--allow-unauthenticated-internal`: start with the internal listener on a non-loopback
+    /// address without `--internal-auth-token-file`.
+    pub allow_unauthenticated_internal: bool,
+    /// Timeouts and the connection cap of the public listener.
+    pub client_limits: ClientLimits,
     /// Sibling discovery for peer bootstrap; `None` = off (and so is the bootstrap).
     pub peer_source: Option<kvroute_discovery::PeerSourceConfig>,
     /// How a booting replica searches its siblings (used when `peer_source` is set and the
@@ -151,6 +163,10 @@ impl Default for RouterConfig {
             internal_port: None,
             internal_auth_token: None,
             kv_snapshot_max_bytes: DEFAULT_KV_SNAPSHOT_MAX_BYTES,
+            admin_auth_token: None,
+            allow_unauthenticated_admin: false,
+            allow_unauthenticated_internal: false,
+            client_limits: ClientLimits::default(),
             peer_source: None,
             bootstrap: BootstrapConfig::default(),
             engine_discovery: None,

@@ -3,6 +3,11 @@
 //! Every failure a client can see goes through [`ApiError`], so the status code and the JSON body
 //! `{"error":{"message","type","param","code"}}` are decided in one place and no handler can leak
 //! a panic or a bare text body.
+//!
+//! What a client is told is not what the log is told: an upstream failure's detail names engine
+//! URLs and OS errors (topology a public client must not learn), so the body of a 502 or a 500
+//! carries a generic message, and the detail goes to the router's log under the request id the
+//! client also receives (`x-request-id`), which is how an operator connects the two.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -15,12 +20,18 @@ pub enum ApiError {
     MissingField { message: String, param: String },
     #[error("request body exceeds {limit_bytes} bytes")]
     BodyTooLarge { limit_bytes: usize },
+    #[error("the {what} did not arrive within {limit_ms} ms")]
+    RequestTimeout { what: &'static str, limit_ms: u64 },
     #[error("model '{0}' not found")]
     UnknownModel(String),
     #[error("worker {0} not found")]
     UnknownWorker(String),
     #[error("{0}")]
     Conflict(String),
+    #[error("a valid bearer token is required")]
+    Unauthorized,
+    #[error("{0}")]
+    Forbidden(String),
     #[error("{0}")]
     NoHealthyWorker(String),
     #[error("upstream failure: {0}")]
@@ -36,8 +47,11 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) | ApiError::MissingField { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::UnknownModel(_) | ApiError::UnknownWorker(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::NoHealthyWorker(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ApiError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -50,13 +64,33 @@ impl ApiError {
             ApiError::BadRequest(_) => ("invalid_request_error", "invalid_request"),
             ApiError::MissingField { .. } => ("invalid_request_error", "missing_field"),
             ApiError::BodyTooLarge { .. } => ("invalid_request_error", "body_too_large"),
+            ApiError::RequestTimeout { .. } => ("invalid_request_error", "request_timeout"),
             ApiError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
             ApiError::UnknownWorker(_) => ("invalid_request_error", "worker_not_found"),
             ApiError::Conflict(_) => ("invalid_request_error", "conflict"),
+            ApiError::Unauthorized => ("authentication_error", "unauthorized"),
+            ApiError::Forbidden(_) => ("permission_error", "forbidden"),
             ApiError::NoHealthyWorker(_) => ("service_unavailable", "no_healthy_worker"),
             ApiError::Upstream(_) => ("upstream_error", "bad_gateway"),
             ApiError::UpstreamTimeout(_) => ("upstream_error", "gateway_timeout"),
             ApiError::Internal(_) => ("internal_error", "internal_error"),
+        }
+    }
+
+    /// The message a client sees: the error's own text, except where that text describes the
+    /// router's internals (see the module doc).
+    pub fn public_message(&self) -> String {
+        match self {
+            ApiError::Upstream(_) => {
+                "the engine did not answer properly; details are in the router's log under this \
+                 request's x-request-id"
+                    .into()
+            }
+            ApiError::Internal(_) => {
+                "internal error; details are in the router's log under this request's x-request-id"
+                    .into()
+            }
+            other => other.to_string(),
         }
     }
 
@@ -68,7 +102,7 @@ impl ApiError {
             _ => serde_json::Value::Null,
         };
         serde_json::json!({
-            "error": {"message": self.to_string(), "type": kind, "param": param, "code": code}
+            "error": {"message": self.public_message(), "type": kind, "param": param, "code": code}
         })
     }
 }
@@ -99,5 +133,24 @@ mod tests {
             ApiError::UpstreamTimeout(5).status(),
             StatusCode::GATEWAY_TIMEOUT
         );
+    }
+
+    #[test]
+    fn an_upstream_or_internal_failure_tells_the_client_nothing_of_engine_urls_or_os_errors() {
+        for e in [
+            ApiError::Upstream(
+                "http://10.0.0.7:30001: connect: Connection refused (os error 111)".into(),
+            ),
+            ApiError::Internal("cannot reach http://10.0.0.7:30001/server_info".into()),
+        ] {
+            let message = e.body()["error"]["message"].as_str().unwrap().to_string();
+            assert!(
+                !message.contains("10.0.0.7") && !message.contains("os error"),
+                "{message}"
+            );
+            assert!(message.contains("x-request-id"), "{message}");
+            // The log still has the detail.
+            assert!(e.to_string().contains("10.0.0.7"));
+        }
     }
 }

@@ -36,6 +36,7 @@ pub use control::router::Router;
 pub use routing::policy::PolicyKind;
 
 use control::worker_source::{self, WorkerSource};
+use kvroute_http1::client::UpstreamClient;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -124,6 +125,19 @@ pub async fn serve_with_workers(
 ) -> Result<RouterHandle, ServeError> {
     let listen = config.listen;
     let internal_listen = config.internal_listen();
+    // The internal listener serves the whole index and the admin API: on an address others can
+    // reach, it needs a token unless the operator says otherwise, explicitly.
+    if !internal_listen.ip().is_loopback()
+        && config.internal_auth_token.is_none()
+        && !config.allow_unauthenticated_internal
+    {
+        return Err(ServeError::Setup(format!(
+            "the internal listener {internal_listen} is not loopback-bound and has no \
+             --internal-auth-token-file: anyone who reaches it could read the index and change \
+             the workers; set the token, bind it with --internal-bind 127.0.0.1, or start with \
+             --allow-unauthenticated-internal"
+        )));
+    }
     let peer_config = config.peer_source.clone();
     let sync_progress = source.is_dynamic().then(worker_source::SyncProgress::new);
     if let Some(p) = &sync_progress {
@@ -182,8 +196,14 @@ pub async fn serve_with_workers(
     // background, and a dynamic source's edits are applied by its consumer task.
     let worker_source = worker_source::start(&router, source, sync_progress).await;
     router.spawn_health_loop();
-    let internal =
-        peer::internal::internal_app(router.clone(), control::gates::readiness_gates(&router));
+    let internal = peer::internal::internal_app(
+        router.clone(),
+        control::gates::readiness_gates(&router),
+        api::internal_admin_app(
+            router.clone(),
+            UpstreamClient::new(router.upstream_connect_timeout_ms()),
+        ),
+    );
     let internal_token = router.shutdown.clone();
     let internal_join = tokio::spawn(async move {
         if let Err(e) = axum::serve(internal_listener, internal)

@@ -202,18 +202,16 @@ async fn a_ttl_of_zero_disables_pending_prefixes() {
     fleet.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_the_ttl_pending_blocks_expire_and_routing_follows_the_index_again() {
-    const TTL_MS: u64 = 1_000;
-    let fleet = fleet(1, 2, "m").await;
-    let router = subscribed_router(&fleet, Some(TTL_MS)).await;
+/// Records rank 0 as pending for all 6 blocks of a prompt whose first 2 blocks the index puts
+/// on rank 1; returns the request that routes that prompt and when the entry was recorded.
+async fn index_on_rank_1_pending_on_rank_0(
+    router: &kvroute::RouterHandle,
+    fleet: &kvroute_sim::Fleet,
+) -> (Value, Instant) {
     let base = router.url();
     let block = fleet.engines[0].block_size();
-    let url = fleet.engines[0].http_url();
     let p = prompt(6, block, 3_000);
-    // The index: rank 1 holds the first 2 blocks.
     store_until_indexed(&base, &fleet.engines[0], 1, &p[..2 * block], 2).await;
-    // Pending: all 6 blocks on rank 0, recorded as a routed decision would.
     let r = &router.router;
     let worker = r.registry.workers()[0].id;
     let mut hashes = Vec::new();
@@ -227,16 +225,39 @@ async fn after_the_ttl_pending_blocks_expire_and_routing_follows_the_index_again
         recorded,
         false,
     );
-    let req = json!({"model": "m", "prompt": p});
+    (json!({"model": "m", "prompt": p}), recorded)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn within_the_ttl_pending_blocks_outrank_the_index() {
+    // A TTL no run gets near, so the check holds on every run, however slow the machine.
+    const TTL_MS: u64 = 600_000;
+    let fleet = fleet(1, 2, "m").await;
+    let router = subscribed_router(&fleet, Some(TTL_MS)).await;
+    let base = router.url();
+    let url = fleet.engines[0].http_url();
+    let (req, _) = index_on_rank_1_pending_on_rank_0(&router, &fleet).await;
     let (_, v, _) = post_json(&format!("{base}/debug/route"), &req).await;
-    if recorded.elapsed() < Duration::from_millis(TTL_MS) {
-        assert_eq!(
-            v["chosen"]["dp_rank"], 0,
-            "pending blocks outrank the index: {v}"
-        );
-        assert_eq!(v["reason"], "pending_hit", "{v}");
-        assert_eq!(pending_rank(&v, 6), Some((url.clone(), 0)), "{v}");
-    }
+    assert_eq!(
+        v["chosen"]["dp_rank"], 0,
+        "pending blocks outrank the index: {v}"
+    );
+    assert_eq!(v["reason"], "pending_hit", "{v}");
+    assert_eq!(pending_rank(&v, 6), Some((url, 0)), "{v}");
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_the_ttl_pending_blocks_expire_and_routing_follows_the_index_again() {
+    const TTL_MS: u64 = 1_000;
+    let fleet = fleet(1, 2, "m").await;
+    let router = subscribed_router(&fleet, Some(TTL_MS)).await;
+    let base = router.url();
+    let (req, recorded) = index_on_rank_1_pending_on_rank_0(&router, &fleet).await;
+    // Whether the entry is still visible at the first look depends on how fast this machine
+    // is, so nothing is asserted about it here (the test above covers the pending hit); what
+    // is asserted is that the entries vanish, and never before the TTL.
     let after = wait_until("the pending blocks to expire", WAIT_DEADLINE, || async {
         let (_, v, _) = post_json(&format!("{base}/debug/route"), &req).await;
         let any_pending = v["ranks"]

@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::{AppState, read_body};
+use super::{AppState, read_body, read_body_limited};
 use crate::config::WorkerSpec;
 use crate::control::router::{RegisterError, Router};
 use crate::data_plane::forward::Endpoint;
@@ -57,7 +57,7 @@ fn plan_json(router: &Router, plan: &RoutePlan) -> Value {
 pub(super) async fn debug_route(State(s): State<AppState>, body: Body) -> Response {
     let router = &s.router;
     let result = async {
-        let bytes = read_body(body, router.config.max_body_bytes).await?;
+        let bytes = read_body(body, &router.config).await?;
         let v: Value =
             serde_json::from_slice(&bytes).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
         let endpoint = if v.get("messages").is_some() {
@@ -122,7 +122,12 @@ pub(super) async fn list_workers(State(s): State<AppState>) -> Response {
 pub(super) async fn add_worker(State(s): State<AppState>, body: Body) -> Response {
     let router = &s.router;
     let result = async {
-        let bytes = read_body(body, ADMIN_BODY_MAX_BYTES).await?;
+        let bytes = read_body_limited(
+            body,
+            ADMIN_BODY_MAX_BYTES,
+            s.router.config.client_limits.body_timeout_ms,
+        )
+        .await?;
         let v: Value =
             serde_json::from_slice(&bytes).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
         let url = v

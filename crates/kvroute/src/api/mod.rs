@@ -19,6 +19,7 @@ use axum::routing::{delete, get, post};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
+use crate::config::RouterConfig;
 use crate::control::gates::readiness_gates;
 use crate::control::readiness::{self, ReadinessGate};
 use crate::control::router::Router;
@@ -47,11 +48,22 @@ pub fn app(router: Arc<Router>, upstream: UpstreamClient) -> AxumRouter {
         router,
         upstream,
     };
+    let access = AdminAccess::for_public_listener(&state.router.config);
+    let guard = axum::middleware::from_fn_with_state(access, require_admin);
     let control = AxumRouter::new()
         .route("/v1/models", get(models))
-        .route("/debug/route", post(admin::debug_route))
-        .route("/workers", get(admin::list_workers).post(admin::add_worker))
-        .route("/workers/{id}", delete(admin::remove_worker))
+        .route(
+            "/debug/route",
+            post(admin::debug_route).route_layer(guard.clone()),
+        )
+        .route(
+            "/workers",
+            get(admin::list_workers).merge(post(admin::add_worker).route_layer(guard.clone())),
+        )
+        .route(
+            "/workers/{id}",
+            delete(admin::remove_worker).route_layer(guard),
+        )
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route_layer(axum::middleware::from_fn_with_state(
@@ -66,6 +78,88 @@ pub fn app(router: Arc<Router>, upstream: UpstreamClient) -> AxumRouter {
         .merge(control)
         .fallback(|| async { ApiError::BadRequest("unknown route".into()).into_response() })
         .with_state(state)
+}
+
+/// The admin API as the internal listener serves it: every admin route, unguarded here (the
+/// internal listener puts its own bearer-token check in front of everything it serves).
+pub fn internal_admin_app(router: Arc<Router>, upstream: UpstreamClient) -> AxumRouter {
+    let state = AppState {
+        gates: readiness_gates(&router),
+        router,
+        upstream,
+    };
+    AxumRouter::new()
+        .route("/debug/route", post(admin::debug_route))
+        .route("/workers", get(admin::list_workers).post(admin::add_worker))
+        .route("/workers/{id}", delete(admin::remove_worker))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.router.control.clone(),
+            on_control_runtime,
+        ))
+        .with_state(state)
+}
+
+/// Who may call the admin API's mutating routes (`POST /workers`, `DELETE /workers/{id}`,
+/// `POST /debug/route`) on the public listener, decided once at start-up.
+///
+/// Why these rules: whoever can register a worker receives every user's prompts, and whoever
+/// can remove workers can take the service down, so on a listener the world may reach these
+/// routes need a credential. A loopback-bound listener (a developer's machine, the tests) is
+/// reachable only from the host itself and stays open; the internal listener always serves
+/// them, behind its own token.
+#[derive(Clone)]
+pub enum AdminAccess {
+    /// `--admin-auth-token-file`: `Authorization: Bearer <token>` or 401.
+    Bearer(Arc<[u8]>),
+    /// Loopback listener, or `--allow-unauthenticated-admin`.
+    Open,
+    /// Non-loopback listener without a token: 403, pointing at the two ways to enable them.
+    Refused,
+}
+
+impl AdminAccess {
+    pub fn for_public_listener(config: &RouterConfig) -> Self {
+        match &config.admin_auth_token {
+            Some(token) => AdminAccess::Bearer(token.clone()),
+            None if config.listen.ip().is_loopback() || config.allow_unauthenticated_admin => {
+                AdminAccess::Open
+            }
+            None => AdminAccess::Refused,
+        }
+    }
+}
+
+async fn require_admin(
+    State(access): State<AdminAccess>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match &access {
+        AdminAccess::Open => next.run(request).await,
+        AdminAccess::Bearer(expected) => {
+            let presented = request
+                .headers()
+                .get(axum::http::header::AUTHORIZATION)
+                .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+            if presented.is_some_and(|p| crate::peer::internal::constant_time_eq(p, expected)) {
+                next.run(request).await
+            } else {
+                let mut resp = ApiError::Unauthorized.into_response();
+                resp.headers_mut().insert(
+                    axum::http::header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer"),
+                );
+                resp
+            }
+        }
+        AdminAccess::Refused => ApiError::Forbidden(
+            "the admin API's mutating routes are not served on a non-loopback public listener \
+             without --admin-auth-token-file; use the internal listener, set the token, or start \
+             with --allow-unauthenticated-admin"
+                .into(),
+        )
+        .into_response(),
+    }
 }
 
 /// Runs the rest of the request (the handler) as a task on the control runtime and waits for
@@ -105,7 +199,7 @@ async fn proxied(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Body
     let router = s.router.clone();
     let rid = request_id(&headers);
     let result = async {
-        let bytes = read_body(body, router.config.max_body_bytes).await?;
+        let bytes = read_body(body, &router.config).await?;
         route_request(&router, endpoint, bytes, &rid, &s.upstream).await
     }
     .await;
@@ -123,11 +217,30 @@ async fn proxied(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Body
     resp
 }
 
-pub async fn read_body(body: Body, limit_bytes: usize) -> Result<bytes::Bytes, ApiError> {
-    match http_body_util::Limited::new(body, limit_bytes)
-        .collect()
+/// Reads a request body on the hyper path under the body size limit and the body receive
+/// deadline, the same two limits the hand-written path applies.
+pub async fn read_body(body: Body, config: &RouterConfig) -> Result<bytes::Bytes, ApiError> {
+    read_body_limited(
+        body,
+        config.max_body_bytes,
+        config.client_limits.body_timeout_ms,
+    )
+    .await
+}
+
+pub async fn read_body_limited(
+    body: Body,
+    limit_bytes: usize,
+    timeout_ms: u64,
+) -> Result<bytes::Bytes, ApiError> {
+    let collect = http_body_util::Limited::new(body, limit_bytes).collect();
+    let collected = tokio::time::timeout(std::time::Duration::from_millis(timeout_ms), collect)
         .await
-    {
+        .map_err(|_| ApiError::RequestTimeout {
+            what: "request body",
+            limit_ms: timeout_ms,
+        })?;
+    match collected {
         Ok(c) => Ok(c.to_bytes()),
         Err(e)
             if e.downcast_ref::<http_body_util::LengthLimitError>()

@@ -19,6 +19,11 @@ pub struct Metrics {
     pub retries: IntCounterVec,
     pub tokenizer_cache: IntCounterVec,
     pub data_plane_connections: IntCounterVec,
+    /// Client connections open on the public listener (what `--client-connections-max` caps).
+    pub client_connections_open: prometheus::IntGauge,
+    /// Client connections closed by the router, by reason: `cap` (answered 503 past the cap),
+    /// `idle`, `head_timeout` and `body_timeout` (answered 408), `write_timeout`.
+    pub client_connections_closed: IntCounterVec,
 }
 
 impl Metrics {
@@ -98,7 +103,20 @@ impl Metrics {
         registry.register(Box::new(upstream_failures.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(tokenizer_cache.clone()))?;
+        let client_connections_open = prometheus::IntGauge::new(
+            "kvroute_client_connections_open",
+            "Client connections open on the public listener",
+        )?;
+        let client_connections_closed = IntCounterVec::new(
+            Opts::new(
+                "kvroute_client_connections_closed_total",
+                "Client connections the router closed by its limits, by reason",
+            ),
+            &["reason"],
+        )?;
         registry.register(Box::new(data_plane_connections.clone()))?;
+        registry.register(Box::new(client_connections_open.clone()))?;
+        registry.register(Box::new(client_connections_closed.clone()))?;
         Ok(Metrics {
             registry,
             requests,
@@ -110,6 +128,8 @@ impl Metrics {
             retries,
             tokenizer_cache,
             data_plane_connections,
+            client_connections_open,
+            client_connections_closed,
         })
     }
 

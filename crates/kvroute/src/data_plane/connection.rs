@@ -43,9 +43,6 @@ use kvroute_http1::framing::{self as h1, FastRoute, OutFraming, RequestHead, Res
 
 /// Read buffer reserved per read from a client.
 pub const CLIENT_READ_CHUNK_BYTES: usize = 16 * 1024;
-/// Once a request's first byte has arrived, the rest of its head and body must arrive within
-/// this long (a client that trickles a request cannot hold a connection forever).
-pub const REQUEST_RECEIVE_TIMEOUT_MS: u64 = 30_000;
 /// Bytes a client may send ahead (its next pipelined request) while its current one is being
 /// answered; beyond it the router stops reading that client until the answer is written.
 pub const PIPELINED_BYTES_MAX: usize = 256 * 1024;
@@ -84,6 +81,21 @@ pub async fn serve_connection(ctx: Arc<ConnectionContext>, mut stream: TcpStream
             HeadRead::Fast(head) => head,
             HeadRead::Other => return hand_to_hyper(&ctx, stream, buf.freeze()).await,
             HeadRead::Closed => return,
+            HeadRead::TimedOut { idle } => {
+                let limits = &ctx.router.config.client_limits;
+                if idle {
+                    closed_by_limit(&ctx, "idle");
+                } else {
+                    // Part of a head arrived: the client is owed an answer (RFC 9110 408).
+                    closed_by_limit(&ctx, "head_timeout");
+                    let e = ApiError::RequestTimeout {
+                        what: "request head",
+                        limit_ms: limits.head_timeout_ms,
+                    };
+                    write_timeout_answer(&ctx, &mut stream, &e).await;
+                }
+                return;
+            }
         };
         match serve_request(&ctx, &mut stream, &mut buf, head).await {
             After::KeepAlive if !ctx.shutdown.is_cancelled() => {}
@@ -96,6 +108,10 @@ enum HeadRead {
     Fast(h1::FastRequest),
     Other,
     Closed,
+    /// No complete head in time: `idle` when not a byte of it had arrived.
+    TimedOut {
+        idle: bool,
+    },
 }
 
 async fn read_head(
@@ -103,7 +119,8 @@ async fn read_head(
     stream: &mut TcpStream,
     buf: &mut BytesMut,
 ) -> HeadRead {
-    let mut deadline = None;
+    let limits = &ctx.router.config.client_limits;
+    let mut head_deadline = None;
     loop {
         match h1::classify_request(buf) {
             RequestHead::Fast(head) => return HeadRead::Fast(head),
@@ -112,17 +129,24 @@ async fn read_head(
         }
         buf.reserve(CLIENT_READ_CHUNK_BYTES);
         let read = if buf.is_empty() {
-            // Idle between requests: no deadline, but a shutdown closes the connection.
+            // Idle between requests: bounded by the idle timeout, and a shutdown closes it.
+            let idle_deadline = deadline_in(limits.idle_timeout_ms);
             tokio::select! {
                 biased;
-                read = stream.read_buf(buf) => read,
+                read = tokio::time::timeout_at(idle_deadline, stream.read_buf(buf)) => match read {
+                    Ok(read) => read,
+                    Err(_) => return HeadRead::TimedOut { idle: true },
+                },
                 _ = ctx.shutdown.cancelled() => return HeadRead::Closed,
             }
         } else {
-            let deadline = *deadline.get_or_insert_with(receive_deadline);
+            // The head's clock starts at its first byte, not at each read, so a client that
+            // trickles one byte at a time cannot extend it.
+            let deadline =
+                *head_deadline.get_or_insert_with(|| deadline_in(limits.head_timeout_ms));
             match tokio::time::timeout_at(deadline, stream.read_buf(buf)).await {
                 Ok(read) => read,
-                Err(_) => return HeadRead::Closed,
+                Err(_) => return HeadRead::TimedOut { idle: false },
             }
         };
         match read {
@@ -132,8 +156,50 @@ async fn read_head(
     }
 }
 
-fn receive_deadline() -> tokio::time::Instant {
-    tokio::time::Instant::now() + Duration::from_millis(REQUEST_RECEIVE_TIMEOUT_MS)
+fn deadline_in(ms: u64) -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_millis(ms)
+}
+
+fn closed_by_limit(ctx: &ConnectionContext, reason: &str) {
+    ctx.router
+        .metrics
+        .client_connections_closed
+        .with_label_values(&[reason])
+        .inc();
+}
+
+/// Writes a 408 and closes, within the write timeout; the request was never routed, so it is
+/// counted on no route (`requests_total` counts routed requests by their route).
+async fn write_timeout_answer(ctx: &ConnectionContext, stream: &mut TcpStream, e: &ApiError) {
+    let body = serde_json::to_vec(&e.body()).unwrap_or_default();
+    let mut out = Vec::with_capacity(256 + body.len());
+    h1::encode_response_head(
+        &mut out,
+        &ResponseHeadOut {
+            status: e.status().as_u16(),
+            content_type: Some(b"application/json"),
+            request_id: &request::new_request_id(),
+            decision: None,
+            framing: OutFraming::Length(body.len() as u64),
+            close: true,
+        },
+    );
+    out.extend_from_slice(&body);
+    let _ = write_bounded(ctx, stream, &out).await;
+}
+
+/// `write_all` that gives up after the write timeout: a client that stopped reading cannot
+/// hold the connection (and the engine request and load booking behind it) forever. Counted
+/// as `write_timeout` when it gives up.
+async fn write_bounded(ctx: &ConnectionContext, stream: &mut TcpStream, bytes: &[u8]) -> bool {
+    let limit_ms = ctx.router.config.client_limits.write_timeout_ms;
+    match tokio::time::timeout(Duration::from_millis(limit_ms), stream.write_all(bytes)).await {
+        Ok(written) => written.is_ok(),
+        Err(_) => {
+            closed_by_limit(ctx, "write_timeout");
+            false
+        }
+    }
 }
 
 async fn serve_request(
@@ -159,10 +225,20 @@ async fn serve_request(
     let mut deadline = None;
     while buf.len() < total {
         buf.reserve(total - buf.len());
-        let deadline = *deadline.get_or_insert_with(receive_deadline);
+        let limit_ms = router.config.client_limits.body_timeout_ms;
+        let deadline = *deadline.get_or_insert_with(|| deadline_in(limit_ms));
         match tokio::time::timeout_at(deadline, stream.read_buf(buf)).await {
             Ok(Ok(n)) if n > 0 => {}
-            _ => return After::Close,
+            Ok(_) => return After::Close,
+            Err(_) => {
+                closed_by_limit(ctx, "body_timeout");
+                let e = ApiError::RequestTimeout {
+                    what: "request body",
+                    limit_ms,
+                };
+                write_error(ctx, stream, endpoint, &request_id, &e, true).await;
+                return After::Close;
+            }
         }
     }
     let mut message = buf.split_to(total);
@@ -235,7 +311,7 @@ async fn serve_request(
         }
         None => {}
     }
-    if stream.write_all(&out).await.is_err() {
+    if !write_bounded(ctx, stream, &out).await {
         return After::Close;
     }
     while !ended {
@@ -254,13 +330,14 @@ async fn serve_request(
                 } else {
                     &piece
                 };
-                if !bytes.is_empty() && stream.write_all(bytes).await.is_err() {
+                if !bytes.is_empty() && !write_bounded(ctx, stream, bytes).await {
                     return After::Close;
                 }
             }
             Ok(None) => {
                 ended = true;
-                if framing == OutFraming::Chunked && stream.write_all(h1::LAST_CHUNK).await.is_err()
+                if framing == OutFraming::Chunked
+                    && !write_bounded(ctx, stream, h1::LAST_CHUNK).await
                 {
                     return After::Close;
                 }
@@ -321,7 +398,7 @@ async fn write_error(
     );
     out.extend_from_slice(&body);
     count_request(&ctx.router, endpoint, status);
-    stream.write_all(&out).await.is_ok()
+    write_bounded(ctx, stream, &out).await
 }
 
 /// Reads and drops what a client is still sending of a refused body (at most
@@ -377,8 +454,18 @@ async fn hand_to_hyper(ctx: &ConnectionContext, stream: TcpStream, read: Bytes) 
         inner: stream,
     });
     let service = hyper_util::service::TowerToHyperService::new(ctx.app.clone());
-    let builder =
+    let limits = &ctx.router.config.client_limits;
+    let mut builder =
         hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    // Without a timer hyper silently skips its header-read timeout. With one, the head must
+    // arrive within the same deadline as on the hand-written path; hyper's clock for it also
+    // runs while a keep-alive connection waits for its next request, so an idle connection
+    // here is closed after the head timeout (shorter than the idle timeout, never longer).
+    // Bodies are read under `--request-body-timeout-ms` by the handlers (`api::read_body`).
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(limits.head_timeout_ms));
     let conn = builder.serve_connection_with_upgrades(io, service);
     tokio::pin!(conn);
     tokio::select! {

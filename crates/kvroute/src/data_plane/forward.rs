@@ -244,7 +244,10 @@ fn encode_upstream_body(
         let mut body = match (body, original) {
             (Some(b), _) => b.clone(),
             // The fast path skipped materialising the body; DP engines are the rare case.
-            (None, Some(o)) => serde_json::from_slice(o).map_err(encode_err)?,
+            // These are the client's bytes: a parse failure is the client's mistake (a 400),
+            // never a router fault.
+            (None, Some(o)) => serde_json::from_slice(o)
+                .map_err(|e| ApiError::BadRequest(format!("invalid JSON body: {e}")))?,
             (None, None) => return Err(ApiError::Internal("no upstream body".into())),
         };
         body.insert("data_parallel_rank".into(), dp_rank.into());
@@ -396,5 +399,16 @@ mod tests {
             plain, original,
             "a non-DP engine gets the client's bytes untouched"
         );
+    }
+
+    #[test]
+    fn client_bytes_that_cannot_be_reparsed_for_a_dp_engine_are_a_400_not_a_500() {
+        let deep = format!(
+            r#"{{"prompt":[1],"x":{}0{}}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        let err = encode_upstream_body(None, Some(&Bytes::from(deep)), 2, 0).unwrap_err();
+        assert_eq!(err.status(), axum::http::StatusCode::BAD_REQUEST, "{err}");
     }
 }

@@ -31,11 +31,14 @@
 
 pub mod connection;
 pub mod forward;
+pub mod limits;
 pub mod request;
 pub mod token_ids;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
+use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -61,21 +64,35 @@ pub fn thread_count(configured: usize) -> usize {
     }
 }
 
+/// One open client connection, counted against `--client-connections-max` from accept until
+/// its task ends (the slot travels with the socket and is released on drop, on every path).
+pub struct ConnectionSlot {
+    open: Arc<AtomicUsize>,
+    gauge: prometheus::IntGauge,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::AcqRel);
+        self.gauge.dec();
+    }
+}
+
 /// The receiving end of one thread's hand-off queue.
 pub struct HandoffListener {
-    rx: mpsc::Receiver<std::net::TcpStream>,
+    rx: mpsc::Receiver<(std::net::TcpStream, ConnectionSlot)>,
 }
 
 impl HandoffListener {
     /// The next connection dealt to this thread, registered with this thread's reactor;
     /// `None` once the acceptor is gone (shutdown).
-    async fn next_connection(&mut self) -> Option<tokio::net::TcpStream> {
+    async fn next_connection(&mut self) -> Option<(tokio::net::TcpStream, ConnectionSlot)> {
         loop {
-            let std_stream = self.rx.recv().await?;
+            let (std_stream, slot) = self.rx.recv().await?;
             // Registers the socket with THIS thread's reactor; it was deregistered from the
             // acceptor's when it was converted to a std stream.
             match tokio::net::TcpStream::from_std(std_stream) {
-                Ok(stream) => return Some(stream),
+                Ok(stream) => return Some((stream, slot)),
                 Err(e) => tracing::warn!(error = %e, "cannot adopt an accepted connection"),
             }
         }
@@ -127,7 +144,7 @@ pub fn start(
             })?;
     }
     drop(exited_tx);
-    tokio::spawn(accept_loop(listener, handoffs, router.shutdown.clone()));
+    tokio::spawn(accept_loop(listener, handoffs, router.clone()));
     let hard_stop_task = hard_stop.clone();
     tokio::spawn(async move {
         let _lifeline = lifeline;
@@ -199,7 +216,7 @@ async fn serve_connections(mut listener: HandoffListener, ctx: Arc<ConnectionCon
     // Every connection task holds a clone; `recv` returns `None` once all have ended.
     let (open_tx, mut open_rx) = mpsc::channel::<()>(1);
     loop {
-        let stream = tokio::select! {
+        let (stream, slot) = tokio::select! {
             _ = ctx.shutdown.cancelled() => break,
             stream = listener.next_connection() => match stream {
                 Some(s) => s,
@@ -210,6 +227,7 @@ async fn serve_connections(mut listener: HandoffListener, ctx: Arc<ConnectionCon
         let open = open_tx.clone();
         tokio::spawn(async move {
             serve_connection(ctx, stream).await;
+            drop(slot);
             drop(open);
         });
     }
@@ -219,34 +237,76 @@ async fn serve_connections(mut listener: HandoffListener, ctx: Arc<ConnectionCon
 
 /// The acceptor's side of one data-plane thread.
 struct Handoff {
-    tx: mpsc::Sender<std::net::TcpStream>,
+    tx: mpsc::Sender<(std::net::TcpStream, ConnectionSlot)>,
     /// `kvroute_data_plane_connections_total{thread}` of this thread.
     connections: prometheus::IntCounter,
 }
 
+/// What a connection past `--client-connections-max` is told before it is closed. Sent without
+/// reading the request (RFC 9110 allows answering early; `connection: close` says nothing more
+/// will be read), in one non-blocking write: a client that is not reading gets only the close.
+static OVER_CAPACITY_RESPONSE: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+    let body = r#"{"error":{"message":"too many open connections; retry later","type":"service_unavailable","param":null,"code":"overloaded"}}"#;
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+});
+
 async fn accept_loop(
     listener: tokio::net::TcpListener,
     handoffs: Vec<Handoff>,
-    shutdown: CancellationToken,
+    router: Arc<Router>,
 ) {
+    let shutdown = router.shutdown.clone();
+    let connections_max = router.config.client_limits.connections_max;
+    let open = Arc::new(AtomicUsize::new(0));
+    let gauge = router.metrics.client_connections_open.clone();
+    let refused = router
+        .metrics
+        .client_connections_closed
+        .with_label_values(&["cap"]);
     let mut next = 0usize;
+    let mut backoff_ms = ACCEPT_ERROR_BACKOFF_MS;
     loop {
         let accepted = tokio::select! {
             _ = shutdown.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
         let stream = match accepted {
-            Ok((stream, _)) => stream,
+            Ok((stream, _)) => {
+                backoff_ms = ACCEPT_ERROR_BACKOFF_MS;
+                stream
+            }
             Err(e) => {
-                // EMFILE and friends: the kernel keeps the connection queued; back off a little
-                // instead of spinning on the error.
-                tracing::warn!(error = %e, "accept failed");
+                // EMFILE and friends: the kernel keeps the connection queued. Back off,
+                // doubling up to a cap, instead of spinning on the error; the connection cap
+                // exists so that this is reached only when it is set above the fd limit.
+                tracing::warn!(error = %e, retry_in_ms = backoff_ms, "accept failed");
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(std::time::Duration::from_millis(ACCEPT_ERROR_BACKOFF_MS)) => {}
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(backoff_ms)) => {}
                 }
+                backoff_ms = (backoff_ms * 2).min(ACCEPT_ERROR_BACKOFF_MAX_MS);
                 continue;
             }
+        };
+        if open.load(Ordering::Acquire) >= connections_max {
+            refused.inc();
+            let _ = stream.try_write(&OVER_CAPACITY_RESPONSE);
+            // Half-close first so the 503 is not destroyed by a reset if the client's request
+            // bytes are still unread when the socket closes.
+            let mut stream = stream;
+            let _ = stream.shutdown().await;
+            continue;
+        }
+        open.fetch_add(1, Ordering::AcqRel);
+        gauge.inc();
+        let slot = ConnectionSlot {
+            open: open.clone(),
+            gauge: gauge.clone(),
         };
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "cannot set TCP_NODELAY on an accepted connection");
@@ -263,7 +323,7 @@ async fn accept_loop(
         handoff.connections.inc();
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            sent = handoff.tx.send(std_stream) => {
+            sent = handoff.tx.send((std_stream, slot)) => {
                 if sent.is_err() {
                     // That thread has stopped (it only does at shutdown or on a runtime build
                     // failure, which it logged); the connection is closed by the drop.
@@ -274,5 +334,7 @@ async fn accept_loop(
     }
 }
 
-/// Pause after a failed `accept` before trying again.
+/// First pause after a failed `accept` before trying again; it doubles per failure in a row.
 const ACCEPT_ERROR_BACKOFF_MS: u64 = 10;
+/// Longest pause after failed `accept`s in a row.
+const ACCEPT_ERROR_BACKOFF_MAX_MS: u64 = 1_000;

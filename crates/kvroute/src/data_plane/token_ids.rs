@@ -80,6 +80,38 @@ pub fn read_token_ids_body(bytes: &[u8], ids_key: &str) -> Option<TokenIdsBody> 
     })
 }
 
+/// serde_json's default nesting limit: a document nests arrays and objects fewer than this many
+/// levels deep (127 parse, 128 are refused), which the generic path's parse of the whole body
+/// applies.
+pub const SERDE_NESTING_MAX: usize = 128;
+
+/// Deepest array/object nesting of `value`, a slice serde_json already validated (so strings
+/// are well formed and a quote inside one is always escaped).
+fn nesting_depth(value: &[u8]) -> usize {
+    let (mut depth, mut deepest, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+    for &b in value {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
+}
+
 #[inline]
 fn skip_ws(b: &[u8], mut i: usize) -> usize {
     while let Some(b' ' | b'\n' | b'\t' | b'\r') = b.get(i) {
@@ -184,11 +216,22 @@ impl<'a> Reader<'a> {
     }
 
     /// Skips one JSON value of any kind, validated by serde_json.
+    ///
+    /// serde_json's nesting limit counts from the value it is given, and this value sits one
+    /// level inside the body, so serde alone would accept a value one level deeper than the
+    /// generic path (which parses the whole body) accepts; the depth is checked here too, so
+    /// the reader never takes a body the generic path refuses.
     fn skip_value(&mut self) -> Option<()> {
         let rest = &self.bytes[self.pos..];
         let mut values = serde_json::Deserializer::from_slice(rest).into_iter::<IgnoredAny>();
         values.next()?.ok()?;
-        self.pos += values.byte_offset();
+        let len = values.byte_offset();
+        // The body's own object is one level: the value may nest one level less than serde
+        // allows from its root.
+        if nesting_depth(&rest[..len]) + 1 >= SERDE_NESTING_MAX {
+            return None;
+        }
+        self.pos += len;
         Some(())
     }
 }
@@ -236,6 +279,33 @@ mod tests {
                 tokens: vec![]
             })
         );
+    }
+
+    #[test]
+    fn a_value_nested_as_deep_as_serde_refuses_for_the_whole_body_is_left_to_the_generic_path() {
+        let nested = |levels: usize| {
+            format!(
+                r#"{{"model":"m","prompt":[1,2],"x":{}0{}}}"#,
+                "[".repeat(levels),
+                "]".repeat(levels)
+            )
+        };
+        // The whole body adds one level: serde refuses at 128 levels inside it.
+        let deepest_ok = nested(SERDE_NESTING_MAX - 2);
+        assert!(serde_json::from_str::<serde_json::Value>(&deepest_ok).is_ok());
+        assert!(read_token_ids_body(deepest_ok.as_bytes(), "prompt").is_some());
+        for levels in [SERDE_NESTING_MAX - 1, SERDE_NESTING_MAX, 100_000] {
+            let body = nested(levels);
+            assert!(serde_json::from_str::<serde_json::Value>(&body).is_err());
+            assert_eq!(
+                read_token_ids_body(body.as_bytes(), "prompt"),
+                None,
+                "{levels} levels"
+            );
+        }
+        // Brackets inside strings are not nesting.
+        let in_string = format!(r#"{{"prompt":[1],"x":"{}"}}"#, "[".repeat(500));
+        assert!(read_token_ids_body(in_string.as_bytes(), "prompt").is_some());
     }
 
     #[test]

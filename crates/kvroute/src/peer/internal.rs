@@ -49,28 +49,25 @@ use crate::peer::producer::{
 /// Largest `--internal-auth-token-file` read; a token is a short secret, not a document.
 pub const INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES: u64 = 4096;
 
-/// Reads an internal auth token file: bounded, trailing whitespace (the newline `echo` and
-/// editors add) trimmed, and long enough to key the snapshot HMAC.
+/// Reads an internal auth token file (see [`read_token_file`]).
 pub fn read_internal_auth_token(path: &std::path::Path) -> Result<Arc<[u8]>, String> {
+    read_token_file(path, "--internal-auth-token-file")
+}
+
+/// Reads a bearer token file named by `flag`: bounded, trailing whitespace (the newline `echo`
+/// and editors add) trimmed, long enough to key the snapshot HMAC (and to resist guessing), and
+/// printable ASCII so it can travel in an `Authorization` header.
+pub fn read_token_file(path: &std::path::Path, flag: &str) -> Result<Arc<[u8]>, String> {
     use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| {
-        format!(
-            "cannot open --internal-auth-token-file {}: {e}",
-            path.display()
-        )
-    })?;
+    let file = std::fs::File::open(path)
+        .map_err(|e| format!("cannot open {flag} {}: {e}", path.display()))?;
     let mut raw = Vec::new();
     file.take(INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES + 1)
         .read_to_end(&mut raw)
-        .map_err(|e| {
-            format!(
-                "cannot read --internal-auth-token-file {}: {e}",
-                path.display()
-            )
-        })?;
+        .map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))?;
     if raw.len() as u64 > INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES {
         return Err(format!(
-            "--internal-auth-token-file is larger than {INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES} bytes"
+            "{flag} is larger than {INTERNAL_AUTH_TOKEN_FILE_MAX_BYTES} bytes"
         ));
     }
     let end = raw
@@ -80,16 +77,15 @@ pub fn read_internal_auth_token(path: &std::path::Path) -> Result<Arc<[u8]>, Str
     raw.truncate(end);
     if raw.len() < kvroute_snapshot::limits::MAC_KEY_MIN_BYTES {
         return Err(format!(
-            "--internal-auth-token-file holds {} bytes; at least {} are needed (it also keys the snapshot HMAC)",
+            "{flag} holds {} bytes; at least {} are needed",
             raw.len(),
             kvroute_snapshot::limits::MAC_KEY_MIN_BYTES
         ));
     }
     if raw.iter().any(|b| !b.is_ascii_graphic()) {
-        return Err(
-            "--internal-auth-token-file must hold printable ASCII without spaces (it is sent as a bearer token)"
-                .into(),
-        );
+        return Err(format!(
+            "{flag} must hold printable ASCII without spaces (it is sent as a bearer token)"
+        ));
     }
     Ok(Arc::from(raw))
 }
@@ -107,7 +103,13 @@ struct InternalState {
 }
 
 /// The internal listener's routes, behind the bearer-token check when a token is configured.
-pub fn internal_app(router: Arc<Router>, gates: Arc<Vec<Arc<dyn ReadinessGate>>>) -> AxumRouter {
+/// `admin` is the admin API's route table (`api::internal_admin_app`), served here for
+/// operators who keep it off the public listener; it sits behind the same token check.
+pub fn internal_app(
+    router: Arc<Router>,
+    gates: Arc<Vec<Arc<dyn ReadinessGate>>>,
+    admin: AxumRouter,
+) -> AxumRouter {
     let token = router.config.internal_auth_token.clone();
     let state = InternalState { router, gates };
     AxumRouter::new()
@@ -115,6 +117,7 @@ pub fn internal_app(router: Arc<Router>, gates: Arc<Vec<Arc<dyn ReadinessGate>>>
         .route(KV_CURSORS_PATH, get(kv_cursors))
         .fallback(|| async { refuse(StatusCode::NOT_FOUND, "not_found", "unknown internal route") })
         .with_state(state)
+        .merge(admin)
         .layer(axum::middleware::from_fn_with_state(token, require_token))
 }
 
@@ -142,15 +145,11 @@ async fn require_token(
     next.run(req).await
 }
 
-/// Compares without an early exit on the first differing byte, so response timing does not
-/// reveal how much of a guessed token was right. (The length is not secret: it is compared
-/// first.)
+/// Compares a presented token with the expected one in constant time (`subtle`), so response
+/// timing does not reveal how much of a guessed token was right. The length is not secret.
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
-    std::hint::black_box(diff) == 0
+    use subtle::ConstantTimeEq;
+    a.len() == b.len() && bool::from(a.ct_eq(b))
 }
 
 fn refuse(status: StatusCode, code: &str, message: &str) -> Response {
