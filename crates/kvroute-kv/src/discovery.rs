@@ -76,6 +76,9 @@ pub struct WorkerInfo {
     pub served_model_name: Option<String>,
     /// `None` when the worker does not publish KV events.
     pub kv_events: Option<KvEventsConfig>,
+    /// The model's context length as the engine states it (SGLang's `context_length`, or
+    /// `max_model_len`): no prompt longer than this can be served.
+    pub context_length: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -189,6 +192,8 @@ struct KvEventsBlock {
 struct ServerInfoBody {
     served_model_name: Option<serde_json::Value>,
     kv_events: Option<KvEventsBlock>,
+    context_length: Option<serde_json::Value>,
+    max_model_len: Option<serde_json::Value>,
 }
 
 fn port_field(name: &str, value: Option<u32>) -> Result<Option<u16>, DiscoveryError> {
@@ -283,9 +288,16 @@ pub fn parse_server_info(body: &[u8], worker_url: &str) -> Result<WorkerInfo, Di
         Some(block) => resolve_kv_block(block, &host)?,
         None => None,
     };
+    // A positive integer only: anything else says nothing (an engine that reports a float or
+    // a string here is not trusted with a limit that refuses requests).
+    let context_length = [parsed.context_length, parsed.max_model_len]
+        .into_iter()
+        .flatten()
+        .find_map(|v| v.as_u64().filter(|&n| n > 0));
     Ok(WorkerInfo {
         served_model_name,
         kv_events,
+        context_length,
     })
 }
 
@@ -439,6 +451,25 @@ mod tests {
         );
         assert_eq!(kv.dp_size, 1);
         assert_eq!(kv.block_size, None);
+    }
+
+    #[test]
+    fn the_context_length_is_read_from_either_name_and_only_as_a_positive_integer() {
+        let ctx = |body: &str| {
+            parse_server_info(body.as_bytes(), "http://h:1")
+                .unwrap()
+                .context_length
+        };
+        assert_eq!(ctx(r#"{"context_length":32768}"#), Some(32_768));
+        assert_eq!(ctx(r#"{"max_model_len":4096}"#), Some(4_096));
+        assert_eq!(ctx(r#"{"context_length":0,"max_model_len":8}"#), Some(8));
+        for unusable in [
+            r#"{"context_length":"32k"}"#,
+            r#"{"context_length":-1}"#,
+            "{}",
+        ] {
+            assert_eq!(ctx(unusable), None, "{unusable}");
+        }
     }
 
     #[test]

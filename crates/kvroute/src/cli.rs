@@ -158,6 +158,10 @@ pub struct ServeArgs {
     /// always on the internal listener.
     #[arg(long, env = "KVROUTE_ALLOW_UNAUTHENTICATED_ADMIN")]
     pub allow_unauthenticated_admin: bool,
+    /// Longest prompt, in tokens, any model accepts (400 beyond); engines that state their
+    /// context length (`/server_info`, `/v1/models`) lower it further. 0 = only theirs.
+    #[arg(long, env = "KVROUTE_MAX_PROMPT_TOKENS", default_value_t = 0)]
+    pub max_prompt_tokens: usize,
     /// Close a keep-alive client connection idle this long between requests.
     #[arg(long, env = "KVROUTE_CLIENT_IDLE_TIMEOUT_MS", default_value_t = DEFAULT_CLIENT_IDLE_TIMEOUT_MS)]
     pub client_idle_timeout_ms: u64,
@@ -300,6 +304,7 @@ impl ServeArgs {
                 write_timeout_ms: self.client_write_timeout_ms,
                 connections_max: self.client_connections_max,
             },
+            prompt_tokens_max: (self.max_prompt_tokens > 0).then_some(self.max_prompt_tokens),
             peer_source,
             bootstrap: BootstrapConfig {
                 timeout_ms: self.kv_bootstrap_timeout_ms,

@@ -107,6 +107,9 @@ pub struct RouterConfig {
     pub allow_unauthenticated_internal: bool,
     /// Timeouts and the connection cap of the public listener.
     pub client_limits: ClientLimits,
+    /// `--max-prompt-tokens`: the longest prompt any model accepts, on top of the context
+    /// lengths engines state (`None` = only theirs).
+    pub prompt_tokens_max: Option<usize>,
     /// Sibling discovery for peer bootstrap; `None` = off (and so is the bootstrap).
     pub peer_source: Option<kvroute_discovery::PeerSourceConfig>,
     /// How a booting replica searches its siblings (used when `peer_source` is set and the
@@ -167,6 +170,7 @@ impl Default for RouterConfig {
             allow_unauthenticated_admin: false,
             allow_unauthenticated_internal: false,
             client_limits: ClientLimits::default(),
+            prompt_tokens_max: None,
             peer_source: None,
             bootstrap: BootstrapConfig::default(),
             engine_discovery: None,

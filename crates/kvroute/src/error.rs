@@ -20,6 +20,14 @@ pub enum ApiError {
     MissingField { message: String, param: String },
     #[error("request body exceeds {limit_bytes} bytes")]
     BodyTooLarge { limit_bytes: usize },
+    #[error(
+        "the prompt has {tokens} tokens, more than this model's limit of {limit} (from {limit_source})"
+    )]
+    PromptTooLong {
+        tokens: usize,
+        limit: usize,
+        limit_source: &'static str,
+    },
     #[error("the {what} did not arrive within {limit_ms} ms")]
     RequestTimeout { what: &'static str, limit_ms: u64 },
     #[error("model '{0}' not found")]
@@ -48,6 +56,7 @@ impl ApiError {
             ApiError::BadRequest(_) | ApiError::MissingField { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ApiError::PromptTooLong { .. } => StatusCode::BAD_REQUEST,
             ApiError::UnknownModel(_) | ApiError::UnknownWorker(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
@@ -65,6 +74,7 @@ impl ApiError {
             ApiError::MissingField { .. } => ("invalid_request_error", "missing_field"),
             ApiError::BodyTooLarge { .. } => ("invalid_request_error", "body_too_large"),
             ApiError::RequestTimeout { .. } => ("invalid_request_error", "request_timeout"),
+            ApiError::PromptTooLong { .. } => ("invalid_request_error", "context_length_exceeded"),
             ApiError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
             ApiError::UnknownWorker(_) => ("invalid_request_error", "worker_not_found"),
             ApiError::Conflict(_) => ("invalid_request_error", "conflict"),

@@ -496,3 +496,47 @@ fn logs_written_to_a_pipe_carry_no_colour_codes() {
         "colour codes in piped logs: {seen:?}"
     );
 }
+
+#[tokio::test]
+async fn a_prompt_over_the_models_token_limit_is_a_400_that_names_the_limit() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = router_with(RouterConfig {
+        prompt_tokens_max: Some(8),
+        ..router_config(&urls(&fleet))
+    })
+    .await;
+    let url = format!("{}/v1/completions", router.url());
+    let over: Vec<u32> = (1..=9).collect();
+    let resp = client()
+        .post(&url)
+        .json(&json!({"model": "m", "prompt": over, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("9 tokens") && message.contains("limit of 8"),
+        "{message}"
+    );
+    // Text is tokenized first, then held to the same limit.
+    let resp = client()
+        .post(&url)
+        .json(&json!({"model": "m", "prompt": "word ".repeat(50), "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let at_limit: Vec<u32> = (1..=8).collect();
+    let resp = client()
+        .post(&url)
+        .json(&json!({"model": "m", "prompt": at_limit, "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+    router.shutdown().await;
+    fleet.shutdown().await;
+}

@@ -185,6 +185,8 @@ pub struct Worker {
     /// False while the worker was registered without reaching it (`URL@model` of an engine that
     /// was down); the health loop then discovers and attaches its KV events once it answers.
     pub discovered: std::sync::atomic::AtomicBool,
+    /// The model's context length as this engine stated it at registration.
+    pub context_length: Option<usize>,
 }
 
 impl Worker {
@@ -198,6 +200,51 @@ pub struct ModelGroup {
     pub tokenizer: Option<Arc<ModelTokenizer>>,
     pub block_size: usize,
     pub workers: Vec<Arc<Worker>>,
+    /// Longest prompt, in tokens, a request may carry: the smallest of `--max-prompt-tokens`
+    /// and the context lengths the group's engines state. A longer prompt cannot be served by
+    /// any of them, so it is refused before it is routed or forwarded.
+    pub prompt_tokens_max: Option<PromptTokensMax>,
+}
+
+/// A prompt-token limit and where it comes from (said in the 400 a client gets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptTokensMax {
+    pub tokens: usize,
+    pub source: &'static str,
+}
+
+impl ModelGroup {
+    fn with_workers(
+        name: String,
+        tokenizer: Option<Arc<ModelTokenizer>>,
+        block_size: usize,
+        workers: Vec<Arc<Worker>>,
+        flag: Option<usize>,
+    ) -> ModelGroup {
+        let engines = workers
+            .iter()
+            .filter_map(|w| w.context_length)
+            .min()
+            .map(|tokens| PromptTokensMax {
+                tokens,
+                source: "the engines' stated context length",
+            });
+        let flag = flag.map(|tokens| PromptTokensMax {
+            tokens,
+            source: "--max-prompt-tokens",
+        });
+        let prompt_tokens_max = match (flag, engines) {
+            (Some(f), Some(e)) => Some(if f.tokens <= e.tokens { f } else { e }),
+            (f, e) => f.or(e),
+        };
+        ModelGroup {
+            name,
+            tokenizer,
+            block_size,
+            workers,
+            prompt_tokens_max,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -209,6 +256,8 @@ struct Inner {
 pub struct Registry {
     inner: RwLock<Inner>,
     next_id: AtomicU64,
+    /// `--max-prompt-tokens`, applied to every model group.
+    prompt_tokens_max_flag: Option<usize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -219,24 +268,44 @@ pub enum RegistryError {
 
 impl Default for Registry {
     fn default() -> Self {
-        Registry {
-            inner: RwLock::new(Inner::default()),
-            next_id: AtomicU64::new(1),
-        }
+        Registry::new(None)
     }
 }
 
+/// What an engine stated about itself at registration, beyond its model name.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineFacts {
+    pub dp_size: u32,
+    pub block_size: usize,
+    /// "server_info", "flags" or "none".
+    pub kv_source: &'static str,
+    pub context_length: Option<usize>,
+}
+
 impl Registry {
+    /// An empty registry; `prompt_tokens_max_flag` is `--max-prompt-tokens`.
+    pub fn new(prompt_tokens_max_flag: Option<usize>) -> Self {
+        Registry {
+            inner: RwLock::new(Inner::default()),
+            next_id: AtomicU64::new(1),
+            prompt_tokens_max_flag,
+        }
+    }
+
     /// Adds a worker; the group's tokenizer/block size come from the first worker of the model.
     pub fn add(
         &self,
         url: &str,
         model: &str,
-        dp_size: u32,
-        block_size: usize,
+        facts: EngineFacts,
         tokenizer: Option<Arc<ModelTokenizer>>,
-        kv_source: &'static str,
     ) -> Result<Arc<Worker>, RegistryError> {
+        let EngineFacts {
+            dp_size,
+            block_size,
+            kv_source,
+            context_length,
+        } = facts;
         let mut inner = self.inner.write();
         if inner.workers.values().any(|w| w.url == url) {
             return Err(RegistryError::Duplicate(url.to_string()));
@@ -253,21 +322,25 @@ impl Registry {
             kv_source,
             kv_attach_error: Mutex::new(None),
             discovered: std::sync::atomic::AtomicBool::new(true),
+            context_length,
         });
         inner.workers.insert(worker.id, worker.clone());
+        let flag = self.prompt_tokens_max_flag;
         let group = match inner.models.get(model) {
-            Some(g) => ModelGroup {
-                name: g.name.clone(),
-                tokenizer: g.tokenizer.clone(),
-                block_size: g.block_size,
-                workers: g.workers.iter().cloned().chain([worker.clone()]).collect(),
-            },
-            None => ModelGroup {
-                name: model.to_string(),
+            Some(g) => ModelGroup::with_workers(
+                g.name.clone(),
+                g.tokenizer.clone(),
+                g.block_size,
+                g.workers.iter().cloned().chain([worker.clone()]).collect(),
+                flag,
+            ),
+            None => ModelGroup::with_workers(
+                model.to_string(),
                 tokenizer,
                 block_size,
-                workers: vec![worker.clone()],
-            },
+                vec![worker.clone()],
+                flag,
+            ),
         };
         inner.models.insert(model.to_string(), Arc::new(group));
         Ok(worker)
@@ -283,12 +356,13 @@ impl Registry {
             } else {
                 inner.models.insert(
                     worker.model.clone(),
-                    Arc::new(ModelGroup {
-                        name: g.name.clone(),
-                        tokenizer: g.tokenizer.clone(),
-                        block_size: g.block_size,
+                    Arc::new(ModelGroup::with_workers(
+                        g.name.clone(),
+                        g.tokenizer.clone(),
+                        g.block_size,
                         workers,
-                    }),
+                        self.prompt_tokens_max_flag,
+                    )),
                 );
             }
         }
@@ -500,12 +574,51 @@ mod tests {
         );
     }
 
+    fn facts(dp_size: u32, context_length: Option<usize>) -> EngineFacts {
+        EngineFacts {
+            dp_size,
+            block_size: 16,
+            kv_source: "none",
+            context_length,
+        }
+    }
+
+    #[test]
+    fn a_groups_prompt_limit_is_the_smallest_of_the_flag_and_its_engines_context_lengths() {
+        let limit = |r: &Registry| r.model("m").unwrap().prompt_tokens_max;
+        let r = Registry::new(None);
+        let a = r.add("http://a", "m", facts(1, None), None).unwrap();
+        assert_eq!(limit(&r), None, "nobody states a limit");
+        let b = r.add("http://b", "m", facts(1, Some(8_192)), None).unwrap();
+        let c = r.add("http://c", "m", facts(1, Some(4_096)), None).unwrap();
+        assert_eq!(limit(&r).map(|l| l.tokens), Some(4_096));
+        r.remove(c.id);
+        assert_eq!(
+            limit(&r).map(|l| l.tokens),
+            Some(8_192),
+            "recomputed on removal"
+        );
+        let _ = (a, b);
+        let r = Registry::new(Some(1_000));
+        r.add("http://a", "m", facts(1, Some(4_096)), None).unwrap();
+        assert_eq!(
+            limit(&r),
+            Some(PromptTokensMax {
+                tokens: 1_000,
+                source: "--max-prompt-tokens"
+            })
+        );
+        let r = Registry::new(Some(10_000));
+        r.add("http://a", "m", facts(1, Some(4_096)), None).unwrap();
+        assert_eq!(limit(&r).map(|l| l.tokens), Some(4_096));
+    }
+
     #[test]
     fn removing_the_last_worker_of_a_model_removes_the_model() {
         let r = Registry::default();
-        let a = r.add("http://a", "m", 2, 16, None, "none").unwrap();
-        let b = r.add("http://b", "m", 1, 16, None, "none").unwrap();
-        assert!(r.add("http://a", "m", 1, 16, None, "none").is_err());
+        let a = r.add("http://a", "m", facts(2, None), None).unwrap();
+        let b = r.add("http://b", "m", facts(1, None), None).unwrap();
+        assert!(r.add("http://a", "m", facts(1, None), None).is_err());
         assert_eq!(r.model("m").unwrap().workers.len(), 2);
         assert_eq!(a.ranks.len(), 2);
         r.remove(a.id);

@@ -102,7 +102,7 @@ impl Router {
             )
             .map_err(|e| e.to_string())?,
             policy: Policy::new(config.policy, config.weights, config.rng_seed),
-            registry: Registry::default(),
+            registry: Registry::new(config.prompt_tokens_max),
             tokenizers: TokenizerSet::default(),
             shutdown: CancellationToken::new(),
             metrics,
@@ -127,6 +127,7 @@ impl Router {
                         dp_size: self.config.kv_defaults.dp_size.unwrap_or(1),
                         block_size: self.config.kv_defaults.block_size,
                         kv_source: "none",
+                        context_length: None,
                     },
                     false,
                 )
@@ -171,10 +172,13 @@ impl Router {
         let worker = self.registry.add(
             &spec.url,
             &model,
-            info.dp_size,
-            block_size,
+            crate::control::registry::EngineFacts {
+                dp_size: info.dp_size,
+                block_size,
+                kv_source: info.kv_source,
+                context_length: info.context_length,
+            },
             tokenizer,
-            info.kv_source,
         )?;
         worker
             .discovered

@@ -119,7 +119,30 @@ pub(crate) fn missing(field: &str, msg: &str) -> ApiError {
     }
 }
 
+/// Refuses a prompt longer than the model group's limit (see `ModelGroup::prompt_tokens_max`):
+/// no engine of the group could serve it, so it is neither routed nor forwarded.
+fn check_prompt_length(group: &ModelGroup, tokens: &[u32]) -> Result<(), ApiError> {
+    match group.prompt_tokens_max {
+        Some(max) if tokens.len() > max.tokens => Err(ApiError::PromptTooLong {
+            tokens: tokens.len(),
+            limit: max.tokens,
+            limit_source: max.source,
+        }),
+        _ => Ok(()),
+    }
+}
+
 pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prepared, ApiError> {
+    let prepared = prepare_unchecked(router, endpoint, bytes)?;
+    check_prompt_length(&prepared.group, &prepared.tokens)?;
+    Ok(prepared)
+}
+
+fn prepare_unchecked(
+    router: &Router,
+    endpoint: Endpoint,
+    bytes: &[u8],
+) -> Result<Prepared, ApiError> {
     if let Some((model, tokens)) = token_ids_fast_path(endpoint, bytes) {
         let group = router.resolve_model(model.as_deref())?;
         return Ok(Prepared {

@@ -644,15 +644,9 @@ impl Task {
             let plane = self.plane.clone();
             match release.disposition {
                 Disposition::Graft => targets.push(GraftTarget { key, incarnation }),
-                // No sibling could seed the rank: its engine's replay buffer may still reach
-                // back to seq 0 (a young engine, or the whole router fleet restarting).
-                Disposition::Settle(Outcome::Abandoned) => {
+                Disposition::Settle(outcome) if asks_the_engine_first(outcome) => {
                     tokio::spawn(async move {
-                        report(
-                            plane
-                                .rebuild_from_engine(&key, incarnation, Outcome::Abandoned)
-                                .await,
-                        );
+                        report(plane.rebuild_from_engine(&key, incarnation, outcome).await);
                     });
                 }
                 Disposition::Settle(outcome) => {
@@ -828,6 +822,18 @@ impl Task {
     }
 }
 
+/// Whether a rank released with `outcome` is first offered a rebuild from its engine's replay
+/// buffer (the outcome then stands only if the buffer cannot rebuild it):
+/// - `abandoned`: no sibling could seed it, but the buffer may still reach back to seq 0 (a young
+///   engine, or the whole router fleet restarting);
+/// - `empty`: every sibling names it empty, but a sibling that holds the rank itself while it
+///   bootstraps (an engine registered on every replica at once) carries nothing for it either,
+///   so "empty" may be silence. The engine is the witness: an empty buffer confirms `empty`,
+///   batches from seq 0 rebuild the rank exactly.
+fn asks_the_engine_first(outcome: Outcome) -> bool {
+    matches!(outcome, Outcome::Abandoned | Outcome::Empty)
+}
+
 /// Vets a sibling's answer against this replica's live ranks of `model`, on the blocking pool.
 async fn vet_response(
     fetcher: &PeerFetcher,
@@ -914,5 +920,21 @@ fn fetch_result_label(result: &FetchResult) -> &'static str {
 fn report(result: Result<(), KvPlaneError>) {
     if let Err(e) = result {
         tracing::debug!(error = %e, "bootstrap message to the KV plane dropped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_the_siblings_name_empty_is_checked_against_its_engine_before_it_settles() {
+        assert!(asks_the_engine_first(Outcome::Empty));
+        assert!(asks_the_engine_first(Outcome::Abandoned));
+        for o in Outcome::ALL {
+            if !matches!(o, Outcome::Empty | Outcome::Abandoned) {
+                assert!(!asks_the_engine_first(o), "{o:?}");
+            }
+        }
     }
 }

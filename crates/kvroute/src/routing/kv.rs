@@ -41,6 +41,9 @@ pub struct EngineInfo {
     pub block_size: Option<usize>,
     /// "server_info", "flags" or "none".
     pub kv_source: &'static str,
+    /// The model's context length as the engine states it (`/server_info`, or `max_model_len`
+    /// in vLLM's `/v1/models`), if it does.
+    pub context_length: Option<usize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -131,6 +134,7 @@ impl KvBridge {
             Err(kvroute_kv::DiscoveryError::HttpStatus { status: 404, .. }) => WorkerInfo {
                 served_model_name: None,
                 kv_events: None,
+                context_length: None,
             },
             Err(e) => return Err(e.into()),
         };
@@ -150,9 +154,12 @@ impl KvBridge {
                 None => (None, "none"),
             },
         };
-        let served_model_name = match info.served_model_name {
-            Some(m) => Some(m),
-            None => models_endpoint_first_id(http, url).await.ok(),
+        let (served_model_name, context_length) = match info.served_model_name {
+            Some(m) => (Some(m), info.context_length),
+            None => match models_endpoint_first(http, url).await {
+                Ok((id, max_model_len)) => (Some(id), info.context_length.or(max_model_len)),
+                Err(_) => (None, info.context_length),
+            },
         };
         let dp_size = kv
             .as_ref()
@@ -169,6 +176,7 @@ impl KvBridge {
             dp_size,
             block_size,
             kv_source,
+            context_length: context_length.and_then(|n| usize::try_from(n).ok()),
         })
     }
 
@@ -327,7 +335,11 @@ pub fn hash_blocks(tokens: &[u32], block_size: usize, out: &mut Vec<u64>) {
     hash::hash_token_blocks(tokens, block_size, hash::BASE_NAMESPACE, out);
 }
 
-async fn models_endpoint_first_id(http: &reqwest::Client, url: &str) -> Result<String, String> {
+/// The first model of `/v1/models`: its id, and vLLM's `max_model_len` if given.
+async fn models_endpoint_first(
+    http: &reqwest::Client,
+    url: &str,
+) -> Result<(String, Option<u64>), String> {
     let resp = http
         .get(format!("{url}/v1/models"))
         .timeout(Duration::from_millis(MODELS_TIMEOUT_MS))
@@ -339,10 +351,12 @@ async fn models_endpoint_first_id(http: &reqwest::Client, url: &str) -> Result<S
     }
     let body = read_capped(resp, MODELS_BODY_MAX_BYTES).await?;
     let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-    v["data"][0]["id"]
+    let first = &v["data"][0];
+    let id = first["id"]
         .as_str()
         .map(str::to_string)
-        .ok_or_else(|| "no data[0].id in /v1/models".to_string())
+        .ok_or_else(|| "no data[0].id in /v1/models".to_string())?;
+    Ok((id, first["max_model_len"].as_u64().filter(|&n| n > 0)))
 }
 
 pub async fn read_capped(
