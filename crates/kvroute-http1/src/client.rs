@@ -19,10 +19,19 @@
 //!   `Connection: close`, self-delimited body). A body dropped early drops (closes) its
 //!   connection: that is how a client's disconnect cancels the engine's work.
 //! - A pooled connection the engine has closed while it idled is discarded at checkout when the
-//!   close is visible; when it is not yet (a close racing the request), the request failed
-//!   before any response byte on a REUSED connection is retried once on a fresh connection to
-//!   the same engine. A fresh connection's failures are never retried here: the caller decides
-//!   (connect failures go to the next rank, anything later is a 502).
+//!   close is visible, and no connection idles in the pool longer than
+//!   [`UPSTREAM_IDLE_TIMEOUT_MS`], which is below the engines' own keep-alive cut (uvicorn's
+//!   default, which SGLang and vLLM use, is 5 s), so a close racing a request is rare.
+//! - When it races anyway, the request is re-sent (once, on a fresh connection to the same
+//!   engine) only if the engine provably did not take it, because a generation must never run
+//!   twice (RFC 9110 section 9.2.2 on non-idempotent requests): the write itself failed (the
+//!   engine has at most part of the request, which it cannot act on), or the connection was
+//!   RESET before any response byte (a socket closed with our request unread in its buffer
+//!   answers data with a reset; an engine that had read the request and then died closes with
+//!   a FIN instead). A plain end of stream after the whole request was written is ambiguous
+//!   and is NOT re-sent: it becomes the caller's 502. A fresh connection's failures are never
+//!   retried here: the caller decides (connect failures go to the next rank, anything later is
+//!   a 502).
 
 use std::collections::HashMap;
 use std::collections::VecDeque;
@@ -38,8 +47,10 @@ use crate::framing::{self, BodyFraming, Chunk, ChunkedDecoder};
 
 /// Idle keep-alive connections kept per engine; beyond it, finished connections are closed.
 pub const UPSTREAM_IDLE_CONNECTIONS_MAX: usize = 256;
-/// Idle pooled connections are closed after this long (engines close theirs too, eventually).
-pub const UPSTREAM_IDLE_TIMEOUT_MS: u64 = 90_000;
+/// Idle pooled connections are closed after this long: below the 5 s keep-alive timeout of
+/// uvicorn, the HTTP server of SGLang and vLLM, so the pool never offers a connection the engine
+/// is about to close (see the module doc on re-sending).
+pub const UPSTREAM_IDLE_TIMEOUT_MS: u64 = 4_000;
 /// How often the whole pool is swept for idle-expired connections (at a checkout).
 const POOL_SWEEP_INTERVAL_MS: u64 = 1_000;
 /// Read buffer reserved per read from an engine.
@@ -286,12 +297,19 @@ impl UpstreamClient {
                         body,
                     });
                 }
-                // The engine closed a kept-alive connection as we used it: nothing was
-                // answered, so the request was not taken; try once on a new connection.
-                Err(ExchangeError::ClosedBeforeResponse(_)) if reused => continue,
-                Err(ExchangeError::ClosedBeforeResponse(e)) => {
+                // The engine closed a kept-alive connection as we used it, and provably did not
+                // take the request: try once on a new connection.
+                Err(ExchangeError::NotTaken(_)) if reused => continue,
+                Err(ExchangeError::NotTaken(e)) => {
                     return Err(UpstreamError::Send(format!(
                         "{}: connection closed before a response: {e}",
+                        target.authority
+                    )));
+                }
+                Err(ExchangeError::SentNoAnswer(e)) => {
+                    return Err(UpstreamError::Send(format!(
+                        "{}: connection closed after the request was sent and before any \
+                         answer ({e}); not re-sent, since the engine may have taken it",
                         target.authority
                     )));
                 }
@@ -305,8 +323,12 @@ impl UpstreamClient {
 }
 
 enum ExchangeError {
-    /// Write failed, or EOF / reset before the first response byte.
-    ClosedBeforeResponse(String),
+    /// The engine provably did not take the request: the write failed, or the connection was
+    /// reset before the first response byte.
+    NotTaken(String),
+    /// End of stream before the first response byte, after the whole request was written: the
+    /// engine may have taken it.
+    SentNoAnswer(String),
     /// Failed after at least one response byte.
     Io(std::io::Error),
     Framing(framing::FramingError),
@@ -321,7 +343,7 @@ async fn exchange(
     body: &[u8],
 ) -> Result<(framing::ResponseHead, BytesMut), ExchangeError> {
     if let Err(e) = write_all_vectored(stream, head, body).await {
-        return Err(ExchangeError::ClosedBeforeResponse(e.to_string()));
+        return Err(ExchangeError::NotTaken(e.to_string()));
     }
     let mut buf = BytesMut::with_capacity(UPSTREAM_READ_CHUNK_BYTES);
     let mut any_byte = false;
@@ -341,9 +363,7 @@ async fn exchange(
         // `read_buf` is `AsyncRead` too, for the reason `poll_read_some` gives.
         match stream.read_buf(&mut buf).await {
             Ok(0) if !any_byte => {
-                return Err(ExchangeError::ClosedBeforeResponse(
-                    "end of stream".to_string(),
-                ));
+                return Err(ExchangeError::SentNoAnswer("end of stream".to_string()));
             }
             Ok(0) => {
                 return Err(ExchangeError::Io(std::io::Error::new(
@@ -352,7 +372,10 @@ async fn exchange(
                 )));
             }
             Ok(_) => any_byte = true,
-            Err(e) if !any_byte => return Err(ExchangeError::ClosedBeforeResponse(e.to_string())),
+            Err(e) if !any_byte && e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Err(ExchangeError::NotTaken(e.to_string()));
+            }
+            Err(e) if !any_byte => return Err(ExchangeError::SentNoAnswer(e.to_string())),
             Err(e) => return Err(ExchangeError::Io(e)),
         }
     }

@@ -392,6 +392,10 @@ enum AfterAnswer {
     /// Keep the connection open but idle this long, then write bytes nobody asked for and keep
     /// it open (a protocol violation the router must not mistake for the next answer).
     StrayBytesWhenIdleFor(Duration),
+    /// Wait for the next request's bytes WITHOUT reading them, then close with them unread and
+    /// a zero linger: the router sees a reset, as from an engine whose socket closed under a
+    /// request it never read.
+    ResetWhenNextRequestArrives,
 }
 
 #[derive(Debug, Clone)]
@@ -423,6 +427,10 @@ enum EngineEvent {
     Request(SeenRequest),
     /// The stand-in closed a kept-alive connection the router had left idle.
     ClosedIdle {
+        conn: usize,
+    },
+    /// The stand-in reset a connection with a request unread in it.
+    ResetUnread {
         conn: usize,
     },
     /// The stand-in wrote unrequested bytes on a kept-alive connection the router left idle.
@@ -682,6 +690,12 @@ async fn serve_engine_connection(
                         return log(EngineEvent::ClosedIdle { conn });
                     }
                 }
+            }
+            AfterAnswer::ResetWhenNextRequestArrives => {
+                let _ = stream.readable().await;
+                let _ = stream.set_zero_linger();
+                drop(stream);
+                return log(EngineEvent::ResetUnread { conn });
             }
             AfterAnswer::StrayBytesWhenIdleFor(idle) => {
                 let mut probe = [0u8; 1];
@@ -1179,9 +1193,10 @@ async fn bytes_an_engine_sends_on_an_idle_pooled_connection_retire_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_the_engine_drops_unanswered_on_a_reused_connection_is_retried_on_a_fresh_one() {
-    // The close racing the request: the engine reads the request on the pooled connection and
-    // closes it without a byte of answer, so nothing was taken and one retry is safe.
+async fn a_request_the_engine_read_and_closed_unanswered_is_not_resent() {
+    // The engine reads the request on the pooled connection and closes it without a byte of
+    // answer. It may have started the generation, so re-sending could run it twice (RFC 9110
+    // 9.2.2): the client gets a 502 and the engine sees the request exactly once.
     let (engine, router) = stand_in_and_router(|n| match n {
         1 => Answer::new(Vec::new(), AfterAnswer::Close),
         _ => Answer::new(
@@ -1191,7 +1206,75 @@ async fn a_request_the_engine_drops_unanswered_on_a_reused_connection_is_retried
     })
     .await;
     let mut client = Conn::open(router.addr).await;
-    for (id, answer) in [("warm-up", 0), ("dropped-then-retried", 2)] {
+    let warm = client.ask(&completion_post("warm-up", TOKEN_BODY)).await;
+    assert_eq!(warm.head.status, 200);
+    let dropped = client
+        .ask(&completion_post("read-then-dropped", TOKEN_BODY))
+        .await;
+    assert_eq!(
+        dropped.head.status,
+        502,
+        "{:?}",
+        String::from_utf8_lossy(&dropped.body)
+    );
+    let id = |s: &str| Some(s.to_string());
+    assert_eq!(
+        engine.post_connections_and_ids(),
+        vec![(0, id("warm-up")), (0, id("read-then-dropped"))],
+        "the request the engine read is never sent again"
+    );
+    drop(client);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooled_connection_idle_past_the_upstream_idle_timeout_is_not_reused() {
+    // Engines close idle keep-alive connections after 5 s (uvicorn); a connection the pool kept
+    // longer would race that close, so past the pool's idle timeout a request goes out fresh.
+    let (engine, router) = stand_in_and_router(|n| {
+        Answer::new(
+            vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
+            AfterAnswer::KeepAlive,
+        )
+    })
+    .await;
+    let mut client = Conn::open(router.addr).await;
+    let first = client.ask(&completion_post("first", TOKEN_BODY)).await;
+    assert_eq!(first.head.status, 200);
+    // The property is about elapsed time itself, so the test lets it elapse.
+    tokio::time::sleep(Duration::from_millis(
+        kvroute_http1::client::UPSTREAM_IDLE_TIMEOUT_MS + 200,
+    ))
+    .await;
+    let second = client.ask(&completion_post("second", TOKEN_BODY)).await;
+    assert_eq!(second.head.status, 200);
+    let id = |s: &str| Some(s.to_string());
+    assert_eq!(
+        engine.post_connections_and_ids(),
+        vec![(0, id("first")), (1, id("second"))],
+        "the connection idle past the timeout was not reused"
+    );
+    drop(client);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_reset_unread_on_a_reused_connection_is_resent_on_a_fresh_one() {
+    // A reset before any answer byte means the engine's socket closed with the request still
+    // unread in it: the engine provably did not take it, so one re-send is safe.
+    let (engine, router) = stand_in_and_router(|n| {
+        Answer::new(
+            vec![json_answer(&format!(r#"{{"answer":{n}}}"#))],
+            if n == 0 {
+                AfterAnswer::ResetWhenNextRequestArrives
+            } else {
+                AfterAnswer::KeepAlive
+            },
+        )
+    })
+    .await;
+    let mut client = Conn::open(router.addr).await;
+    for (id, answer) in [("warm-up", 0), ("reset-then-resent", 1)] {
         let resp = client.ask(&completion_post(id, TOKEN_BODY)).await;
         assert_eq!(
             resp.head.status,
@@ -1201,16 +1284,20 @@ async fn a_request_the_engine_drops_unanswered_on_a_reused_connection_is_retried
         );
         assert_eq!(resp.json()["answer"], answer, "{id}");
     }
-    let seen: Vec<(usize, Option<String>)> = engine.post_connections_and_ids();
     let id = |s: &str| Some(s.to_string());
     assert_eq!(
-        seen,
-        vec![
-            (0, id("warm-up")),
-            (0, id("dropped-then-retried")),
-            (1, id("dropped-then-retried")),
-        ],
-        "sent on the pooled connection, dropped there, retried once on a fresh one"
+        engine.post_connections_and_ids(),
+        vec![(0, id("warm-up")), (1, id("reset-then-resent"))],
+        "the unread request was sent once more, on a fresh connection"
+    );
+    let pooled = engine.first_post_connection();
+    assert!(
+        engine
+            .events()
+            .iter()
+            .any(|e| matches!(e, EngineEvent::ResetUnread { conn } if Some(*conn) == pooled)),
+        "the pooled connection was reset with the request unread: {:?}",
+        engine.events()
     );
     drop(client);
     router.shutdown().await;
