@@ -241,9 +241,13 @@ fn encode_upstream_body(
         |e: serde_json::Error| ApiError::Internal(format!("cannot encode upstream body: {e}"));
     // Only DP engines get the field: an engine without DP may reject an unknown field.
     if dp_size > 1 {
+        if let (None, Some(o)) = (body, original)
+            && let Some(spliced) = with_dp_rank_appended(o, dp_rank)
+        {
+            return Ok(spliced);
+        }
         let mut body = match (body, original) {
             (Some(b), _) => b.clone(),
-            // The fast path skipped materialising the body; DP engines are the rare case.
             // These are the client's bytes: a parse failure is the client's mistake (a 400),
             // never a router fault.
             (None, Some(o)) => serde_json::from_slice(o)
@@ -262,6 +266,32 @@ fn encode_upstream_body(
             .map_err(encode_err),
         (None, None) => Err(ApiError::Internal("no upstream body".into())),
     }
+}
+
+/// The client's JSON object (already validated by the token-id reader) with
+/// `"data_parallel_rank":N` appended as its LAST member, without parsing it into values: a
+/// 2,048-id prompt re-serialized through `serde_json::Value` costs more than the rest of the
+/// request, and a maximal body (millions of ids) would take tens of bytes of memory per id.
+/// Last, because the engines' JSON readers (Python's `json`, which FastAPI and pydantic use)
+/// keep the last of duplicate keys, so the router's rank wins over one a client sent. `None`
+/// when the bytes are not shaped `{ ... }`, and the caller parses them instead.
+fn with_dp_rank_appended(original: &[u8], dp_rank: u32) -> Option<Bytes> {
+    let ws = |b: &u8| matches!(b, b' ' | b'\n' | b'\t' | b'\r');
+    let open = original.iter().position(|b| !ws(b))?;
+    let close = original.iter().rposition(|b| !ws(b))?;
+    if original[open] != b'{' || original[close] != b'}' || close <= open {
+        return None;
+    }
+    let empty = original[open + 1..close].iter().all(ws);
+    let member = format!(
+        "{}\"data_parallel_rank\":{dp_rank}",
+        if empty { "" } else { "," }
+    );
+    let mut out = Vec::with_capacity(original.len() + member.len());
+    out.extend_from_slice(&original[..close]);
+    out.extend_from_slice(member.as_bytes());
+    out.extend_from_slice(&original[close..]);
+    Some(Bytes::from(out))
 }
 
 /// Sends the request to the plan's ranks in order until one answers; returns the streaming
@@ -402,13 +432,31 @@ mod tests {
     }
 
     #[test]
+    fn the_dp_rank_is_appended_last_so_it_wins_over_one_the_client_sent() {
+        for (client, want_prompt) in [
+            (&br#"  {"prompt":[1],"data_parallel_rank":7} "#[..], true),
+            (br#"{}"#, false),
+            (b"{ \n }", false),
+        ] {
+            let out = encode_upstream_body(None, Some(&Bytes::from_static(client)), 4, 2)
+                .expect("encodes");
+            // serde_json, like Python's json, keeps the last of duplicate keys.
+            let v: serde_json::Value = serde_json::from_slice(&out).expect("valid JSON");
+            assert_eq!(
+                v["data_parallel_rank"],
+                2,
+                "{}",
+                String::from_utf8_lossy(&out)
+            );
+            assert_eq!(v.get("prompt").is_some(), want_prompt);
+        }
+    }
+
+    #[test]
     fn client_bytes_that_cannot_be_reparsed_for_a_dp_engine_are_a_400_not_a_500() {
-        let deep = format!(
-            r#"{{"prompt":[1],"x":{}0{}}}"#,
-            "[".repeat(200),
-            "]".repeat(200)
-        );
-        let err = encode_upstream_body(None, Some(&Bytes::from(deep)), 2, 0).unwrap_err();
+        // Not shaped `{ ... }`, so not spliced, and not JSON either.
+        let cut = Bytes::from_static(br#"{"prompt":[1],"x":[[["#);
+        let err = encode_upstream_body(None, Some(&cut), 2, 0).unwrap_err();
         assert_eq!(err.status(), axum::http::StatusCode::BAD_REQUEST, "{err}");
     }
 }

@@ -54,14 +54,23 @@ pub async fn route_request(
             .await
             .map_err(|e| ApiError::Internal(format!("request preparation failed: {e}")))??
     };
-    let plan = router.plan(prepared.group, &prepared.tokens)?;
+    let Prepared {
+        group,
+        tokens,
+        body,
+        rewritten,
+    } = prepared;
+    let plan = router.plan(group, &tokens)?;
+    // The ids are not needed past planning, and a maximal body's ids take twice its size: they
+    // are freed before the forward, which can take as long as the engine does.
+    drop(tokens);
     router.record_decision(&plan);
     forward::forward(
         router,
         Forward {
             endpoint,
-            original: (!prepared.rewritten).then_some(bytes),
-            body: prepared.body,
+            original: (!rewritten).then_some(bytes),
+            body,
             request_id,
             plan: &plan,
             upstream,

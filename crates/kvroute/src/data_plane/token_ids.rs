@@ -80,6 +80,9 @@ pub fn read_token_ids_body(bytes: &[u8], ids_key: &str) -> Option<TokenIdsBody> 
     })
 }
 
+/// Above this many bytes after an id array's `[`, the array is sized exactly before it is read.
+const EXACT_CAPACITY_FROM_BYTES: usize = 1024 * 1024;
+
 /// serde_json's default nesting limit: a document nests arrays and objects fewer than this many
 /// levels deep (127 parse, 128 are refused), which the generic path's parse of the whole body
 /// applies.
@@ -176,7 +179,17 @@ impl<'a> Reader<'a> {
         let b = self.bytes;
         let mut i = self.pos;
         // The common id is 3-6 digits plus a comma; the caller already bounded the body size.
-        let mut ids = Vec::with_capacity((b.len() - i) / 6);
+        // A large array is sized exactly instead (its commas counted by memchr up to the first
+        // `]`, which ends an id array): growth by doubling would hold up to 1.5x the final
+        // array, plus the copy, for a body of millions of short ids.
+        let rest = &b[i..];
+        let capacity = if rest.len() > EXACT_CAPACITY_FROM_BYTES {
+            let span = memchr::memchr(b']', rest).unwrap_or(rest.len());
+            memchr::memchr_iter(b',', &rest[..span]).count() + 1
+        } else {
+            rest.len() / 6
+        };
+        let mut ids = Vec::with_capacity(capacity);
         i = skip_ws(b, i);
         if b.get(i) == Some(&b']') {
             self.pos = i + 1;

@@ -1,0 +1,322 @@
+//! Scale past one machine's engines: a synthetic index of 1,024 ranks x 100,000 carried blocks
+//! (the chat shape every index benchmark uses: a few hundred shared system prompts of 1k-4k
+//! tokens, each rank's own conversations after them), no engines and no HTTP server. Reports:
+//! * the index's memory (bytes the allocator handed it; goal <= 4 GB);
+//! * the full routing decision's latency for 8,192-token prompts: hash the prompt, match it
+//!   against the index, and let the cache_aware policy score EVERY rank (goal p99 <= 50 us);
+//! * the snapshot a warm replica would serve: export, encode (binary, zstd), its size (goal
+//!   <= 1.2 GB) and whether the default decode limits and `--kv-snapshot-max-bytes` admit it;
+//! * time to warm, as the sum of the stages a joining replica runs one after another: export,
+//!   encode, a transfer of the encoded bytes over a loopback socket, decode, and restore into a
+//!   fresh index (goal <= 10 s). The service adds its pass interval and slices the graft; both
+//!   are measured at 64 ranks by `time_to_warm`.
+//!
+//! Run: `CARGO_PROFILE_BENCH_DEBUG=0 cargo bench -p kvroute --bench scale_1024`. Env:
+//! KVROUTE_SCALE_RANKS (1024), KVROUTE_SCALE_BLOCKS (100000, per rank). Needs ~12 GB of memory
+//! at the default size (the index, its export and a restored copy are alive at once).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::time::Instant;
+
+use kvroute::routing::policy::{CostWeights, Policy, PolicyKind, RankInput};
+use kvroute_index::hash::{BASE_NAMESPACE, hash_token_blocks};
+use kvroute_index::{IndexConfig, PrefixIndex, PrefixMatch};
+use kvroute_snapshot::{Compression, DecodeLimits, EncodeOptions};
+use kvroute_wire::snapshot::RankRef;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+#[path = "../../kvroute-index/benches/support/chat_shape.rs"]
+mod support;
+
+use support::{BLOCK_SIZE, Draws, sys_blocks, sys_seed, token};
+
+impl Draws for StdRng {
+    fn unit(&mut self) -> f64 {
+        self.random()
+    }
+    fn tail_blocks(&mut self) -> usize {
+        self.random_range(16..=160usize)
+    }
+}
+
+struct Counting;
+
+static LIVE_BYTES: AtomicI64 = AtomicI64::new(0);
+static PEAK_BYTES: AtomicI64 = AtomicI64::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let now = LIVE_BYTES.fetch_add(layout.size() as i64, Relaxed) + layout.size() as i64;
+        PEAK_BYTES.fetch_max(now, Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE_BYTES.fetch_sub(layout.size() as i64, Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let delta = new_size as i64 - layout.size() as i64;
+        let now = LIVE_BYTES.fetch_add(delta, Relaxed) + delta;
+        PEAK_BYTES.fetch_max(now, Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+const PROMPT_BLOCKS: usize = 512; // 8,192 tokens
+const QUERIES: usize = 20_000;
+const WARMUP_QUERIES: usize = 2_000;
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
+}
+
+fn gb(bytes: i64) -> f64 {
+    bytes as f64 / 1e9
+}
+
+#[derive(Clone, Copy)]
+struct Conv {
+    prompt: u32,
+    seed: u64,
+    tail_blocks: usize,
+}
+
+fn main() {
+    let ranks = env("KVROUTE_SCALE_RANKS", 1024) as u32;
+    let blocks = env("KVROUTE_SCALE_BLOCKS", 100_000);
+    let mut rng = StdRng::seed_from_u64(7);
+    let base = LIVE_BYTES.load(Relaxed);
+    let built = Instant::now();
+    let (mut w, r) = PrefixIndex::new(IndexConfig {
+        max_carried_blocks: u64::MAX,
+        ..IndexConfig::new(BLOCK_SIZE)
+    });
+    let mut convs: Vec<Conv> = Vec::new();
+    let mut engine_seq: u64 = 1;
+    for rank in 0..ranks {
+        let id = w.add_rank(RankRef {
+            worker_url: format!(
+                "http://10.{}.{}.{}:8000",
+                rank >> 16,
+                (rank >> 8) & 255,
+                rank & 255
+            ),
+            dp_rank: 0,
+        });
+        support::chat_rank(
+            &mut rng,
+            &mut engine_seq,
+            0,
+            rank,
+            blocks,
+            |ev| {
+                w.apply_event(id, &ev);
+            },
+            |c| {
+                // Kept only for a sample of ranks, so the query set costs no memory to speak of.
+                if rank % 16 == 0 {
+                    convs.push(Conv {
+                        prompt: c.prompt,
+                        seed: c.seed,
+                        tail_blocks: c.tail_blocks,
+                    });
+                }
+            },
+        );
+        w.set_cursor(id, Some((1, 1.0)));
+    }
+    let convs_bytes = (convs.capacity() * std::mem::size_of::<Conv>()) as i64;
+    let index_bytes = LIVE_BYTES.load(Relaxed) - base - convs_bytes;
+    let carried = r.total_carried();
+    let nodes = r.node_count();
+    println!(
+        "index: {ranks} ranks x {blocks} blocks: {carried} carried pairs, {nodes} nodes, built in {:.1} s",
+        built.elapsed().as_secs_f64()
+    );
+    println!(
+        "memory: {:.2} GB allocated by the index ({:.1} B per carried pair) [goal <= 4 GB]",
+        gb(index_bytes),
+        index_bytes as f64 / carried as f64
+    );
+
+    // The routing decision: hash, match, score every rank.
+    let mut prompts: Vec<Vec<u32>> = Vec::with_capacity(256);
+    for q in 0..256u64 {
+        let kind: f64 = rng.random();
+        let mut toks = Vec::with_capacity(PROMPT_BLOCKS * BLOCK_SIZE as usize);
+        if kind < 0.8 {
+            let c = convs[rng.random_range(0..convs.len())];
+            let n = sys_blocks(c.prompt) as u64 * 16;
+            toks.extend((0..n).map(|t| token(sys_seed(c.prompt), t)));
+            if kind < 0.5 {
+                toks.extend((0..c.tail_blocks as u64 * 16).map(|t| token(c.seed, t)));
+            }
+        }
+        let fresh = 9 << 40 | q;
+        let mut t = 0;
+        while toks.len() < PROMPT_BLOCKS * BLOCK_SIZE as usize {
+            toks.push(token(fresh, t));
+            t += 1;
+        }
+        toks.truncate(PROMPT_BLOCKS * BLOCK_SIZE as usize);
+        prompts.push(toks);
+    }
+    let policy = Policy::new(PolicyKind::CacheAware, CostWeights::default(), Some(11));
+    let idle = RankInput {
+        matched_blocks: 0,
+        device_blocks: 0,
+        pending_blocks: 0,
+        in_flight: 0,
+        queued_prefill_tokens: 0,
+        prefill_backlog_us: f64::INFINITY,
+        engine: None,
+    };
+    let mut inputs = vec![idle; ranks as usize];
+    let mut load_rng = StdRng::seed_from_u64(3);
+    for input in &mut inputs {
+        input.in_flight = load_rng.random_range(0..8);
+        input.queued_prefill_tokens = load_rng.random_range(0..20_000);
+    }
+    let mut hashes = Vec::with_capacity(PROMPT_BLOCKS);
+    let mut out = PrefixMatch::new();
+    let mut lat_ns = Vec::with_capacity(QUERIES);
+    let mut best_sum = 0u64;
+    for i in 0..QUERIES + WARMUP_QUERIES {
+        let toks = &prompts[i % prompts.len()];
+        let t0 = Instant::now();
+        hash_token_blocks(toks, BLOCK_SIZE as usize, BASE_NAMESPACE, &mut hashes);
+        r.match_prefix(&hashes, &mut out);
+        for m in &out.ranks {
+            let input = &mut inputs[m.rank.0 as usize];
+            input.matched_blocks = m.matched_blocks;
+            input.device_blocks = m.device_blocks;
+        }
+        let decision = policy.decide(&inputs, toks.len(), BLOCK_SIZE as usize);
+        let dt = t0.elapsed().as_nanos() as u64;
+        for m in &out.ranks {
+            let input = &mut inputs[m.rank.0 as usize];
+            input.matched_blocks = 0;
+            input.device_blocks = 0;
+        }
+        if i >= WARMUP_QUERIES {
+            lat_ns.push(dt);
+            best_sum += u64::from(out.max_matched_blocks());
+            std::hint::black_box(decision.order.first());
+        }
+    }
+    lat_ns.sort_unstable();
+    println!(
+        "routing decision (8,192 tokens: hash + match + cache_aware scoring of all {ranks} ranks, {} calls): p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, p99.9 {:.1} us [goal p99 <= 50 us]; mean best depth {:.0} blocks",
+        lat_ns.len(),
+        percentile(&lat_ns, 0.50) as f64 / 1e3,
+        percentile(&lat_ns, 0.90) as f64 / 1e3,
+        percentile(&lat_ns, 0.99) as f64 / 1e3,
+        percentile(&lat_ns, 0.999) as f64 / 1e3,
+        best_sum as f64 / QUERIES as f64
+    );
+
+    // The joining replica's path, stage by stage.
+    let t = Instant::now();
+    let mut snapshot = r.export_snapshot();
+    snapshot.producer_ready = true;
+    let export_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let mut encoded = Vec::new();
+    kvroute_snapshot::encode_binary(
+        &snapshot,
+        &EncodeOptions {
+            compression: Compression::Zstd,
+            mac_key: Some(b"0123456789abcdef-scale-bench"),
+        },
+        &mut encoded,
+    )
+    .expect("the export encodes");
+    let encode_s = t.elapsed().as_secs_f64();
+    let snapshot_nodes = snapshot.nodes.len();
+    drop(snapshot);
+    println!(
+        "snapshot: {snapshot_nodes} nodes; export {export_s:.2} s, encode (binary, zstd, HMAC) {encode_s:.2} s, {:.3} GB on the wire [goal <= 1.2 GB]; admitted by the default --kv-snapshot-max-bytes ({} B): {}",
+        encoded.len() as f64 / 1e9,
+        kvroute::config::DEFAULT_KV_SNAPSHOT_MAX_BYTES,
+        encoded.len() <= kvroute::config::DEFAULT_KV_SNAPSHOT_MAX_BYTES
+    );
+    // The index is dropped before the consumer side is built, as on a real joining replica
+    // (the producer is another process).
+    drop(w);
+    drop(r);
+
+    let t = Instant::now();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("loopback listener");
+    let addr = listener.local_addr().expect("address");
+    let sender = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().expect("accept");
+        conn.write_all(&encoded).expect("send");
+        encoded
+    });
+    let mut received = Vec::new();
+    std::net::TcpStream::connect(addr)
+        .expect("connect")
+        .read_to_end(&mut received)
+        .expect("receive");
+    let transfer_s = t.elapsed().as_secs_f64();
+    drop(sender.join().expect("sender"));
+
+    let defaults = DecodeLimits::default();
+    let default_verdict = kvroute_snapshot::decode_binary(
+        &received,
+        &defaults,
+        Some(b"0123456789abcdef-scale-bench"),
+    )
+    .map(|_| "yes".to_string())
+    .unwrap_or_else(|e| format!("NO ({e})"));
+    let t = Instant::now();
+    let decoded = kvroute_snapshot::decode_binary(
+        &received,
+        &DecodeLimits {
+            max_nodes: usize::MAX,
+            max_carriers: usize::MAX,
+            max_ranks: usize::MAX,
+            max_bytes: usize::MAX,
+        },
+        Some(b"0123456789abcdef-scale-bench"),
+    )
+    .expect("the snapshot decodes");
+    let decode_s = t.elapsed().as_secs_f64();
+    drop(received);
+    let t = Instant::now();
+    let (mut w2, r2) = PrefixIndex::new(IndexConfig {
+        max_carried_blocks: u64::MAX,
+        ..IndexConfig::new(BLOCK_SIZE)
+    });
+    w2.restore_snapshot(&decoded).expect("restores");
+    let restore_s = t.elapsed().as_secs_f64();
+    assert_eq!(
+        r2.total_carried(),
+        carried,
+        "the restored index carries the same pairs"
+    );
+    println!(
+        "decode {decode_s:.2} s (admitted by the default decode limits: {default_verdict}); loopback transfer {transfer_s:.2} s; restore {restore_s:.2} s"
+    );
+    let total = export_s + encode_s + transfer_s + decode_s + restore_s;
+    println!(
+        "time to warm (stages in sequence: export + encode + transfer + decode + restore): {total:.1} s [goal <= 10 s]"
+    );
+    println!(
+        "peak bytes allocated by this process: {:.2} GB",
+        gb(PEAK_BYTES.load(Relaxed))
+    );
+}
