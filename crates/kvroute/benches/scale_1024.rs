@@ -193,12 +193,15 @@ fn main() {
     let mut hashes = Vec::with_capacity(PROMPT_BLOCKS);
     let mut out = PrefixMatch::new();
     let mut lat_ns = Vec::with_capacity(QUERIES);
+    let mut match_ns = Vec::with_capacity(QUERIES);
     let mut best_sum = 0u64;
+    let mut matching_ranks_sum = 0u64;
     for i in 0..QUERIES + WARMUP_QUERIES {
         let toks = &prompts[i % prompts.len()];
         let t0 = Instant::now();
         hash_token_blocks(toks, BLOCK_SIZE as usize, BASE_NAMESPACE, &mut hashes);
         r.match_prefix(&hashes, &mut out);
+        let matched_at = t0.elapsed().as_nanos() as u64;
         for m in &out.ranks {
             let input = &mut inputs[m.rank.0 as usize];
             input.matched_blocks = m.matched_blocks;
@@ -206,6 +209,10 @@ fn main() {
         }
         let decision = policy.decide(&inputs, toks.len(), BLOCK_SIZE as usize);
         let dt = t0.elapsed().as_nanos() as u64;
+        if i >= WARMUP_QUERIES {
+            match_ns.push(matched_at);
+            matching_ranks_sum += out.ranks.len() as u64;
+        }
         for m in &out.ranks {
             let input = &mut inputs[m.rank.0 as usize];
             input.matched_blocks = 0;
@@ -218,6 +225,13 @@ fn main() {
         }
     }
     lat_ns.sort_unstable();
+    match_ns.sort_unstable();
+    println!(
+        "  of which hash + match_prefix: p50 {:.1} us, p99 {:.1} us ({:.0} ranks match block 0 on average)",
+        percentile(&match_ns, 0.50) as f64 / 1e3,
+        percentile(&match_ns, 0.99) as f64 / 1e3,
+        matching_ranks_sum as f64 / QUERIES as f64
+    );
     println!(
         "routing decision (8,192 tokens: hash + match + cache_aware scoring of all {ranks} ranks, {} calls): p50 {:.1} us, p90 {:.1} us, p99 {:.1} us, p99.9 {:.1} us [goal p99 <= 50 us]; mean best depth {:.0} blocks",
         lat_ns.len(),

@@ -24,7 +24,7 @@ use crate::routing::kv::KvFlagDefaults;
 use crate::routing::pending::DEFAULT_PENDING_PREFIX_TTL_MS;
 use crate::routing::policy::{
     CostWeights, DEFAULT_LOAD_BOUND_FACTOR, DEFAULT_LOAD_BOUND_SLACK_REQUESTS,
-    LOAD_BOUND_FACTOR_MAX, LOAD_BOUND_SLACK_REQUESTS_MAX, PolicyKind,
+    LOAD_BOUND_FACTOR_MAX, LOAD_BOUND_SLACK_REQUESTS_MAX, PolicyKind, RETRIES_MAX,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -216,6 +216,9 @@ impl ServeArgs {
                 .split_once('=')
                 .ok_or_else(|| format!("--model-tokenizer expects MODEL=PATH, got {item}"))?;
             model_tokenizers.insert(model.to_string(), PathBuf::from(path));
+        }
+        if self.max_retries > RETRIES_MAX {
+            return Err(format!("--max-retries must be at most {RETRIES_MAX}"));
         }
         if self.temperature < 0.0 || !self.temperature.is_finite() {
             return Err("--temperature must be a finite number >= 0".into());

@@ -121,6 +121,16 @@ pub const LOAD_BOUND_FACTOR_MAX: f64 = 1_000.0;
 /// Largest accepted `--load-bound-slack-requests`.
 pub const LOAD_BOUND_SLACK_REQUESTS_MAX: f64 = 1_000_000.0;
 
+/// Retries a request may make after its first choice (`--max-retries` is refused above it).
+pub const RETRIES_MAX: u32 = 16;
+/// Up to this many ranks a decision's order lists them all (`/debug/route` shows each rank's
+/// place); beyond, the first choice and the [`RETRIES_MAX`] cheapest others.
+pub const ORDER_FULL_RANKS_MAX: usize = 64;
+/// A rank whose cost exceeds the cheapest by more than this many temperatures gets probability
+/// 0 without computing `exp`: its weight (< e^-40, about 4e-18) is below what an f64 sum with
+/// the cheapest rank's weight of 1 can hold.
+const NEGLIGIBLE_WEIGHT_EXPONENT: f64 = 40.0;
+
 /// Engine-reported queue depth of one rank (from the KV plane's LoadStat feed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct EngineLoad {
@@ -332,8 +342,9 @@ impl Policy {
         }
         let mut total = 0.0;
         for s in scores.iter_mut() {
-            s.probability = if eligible(s) {
-                (-(s.cost_ms - min) / t).exp()
+            let exponent = (s.cost_ms - min) / t;
+            s.probability = if eligible(s) && exponent <= NEGLIGIBLE_WEIGHT_EXPONENT {
+                (-exponent).exp()
             } else {
                 0.0
             };
@@ -380,12 +391,25 @@ pub fn within_load_bound(ranks: &[RankInput], w: &CostWeights) -> Vec<bool> {
 }
 
 /// `first`, then every other index by ascending `key`.
+/// The first choice, then the other ranks cheapest first. Up to [`ORDER_FULL_RANKS_MAX`] ranks
+/// every rank is listed; beyond, only the [`RETRIES_MAX`] cheapest others, found by selection
+/// rather than a full sort: a request never reaches further down the order than its retries,
+/// and sorting a thousand ranks would cost more than the rest of the decision.
 fn order_with_first(first: usize, n: usize, key: impl Fn(usize) -> f64) -> Vec<usize> {
-    let mut rest: Vec<usize> = (0..n).filter(|&i| i != first).collect();
-    rest.sort_by(|&a, &b| key(a).total_cmp(&key(b)));
-    let mut order = Vec::with_capacity(n);
+    let mut rest: Vec<(f64, usize)> = (0..n)
+        .filter(|&i| i != first)
+        .map(|i| (key(i), i))
+        .collect();
+    let by_key = |a: &(f64, usize), b: &(f64, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+    let keep = RETRIES_MAX as usize;
+    if n > ORDER_FULL_RANKS_MAX && rest.len() > keep {
+        rest.select_nth_unstable_by(keep, by_key);
+        rest.truncate(keep);
+    }
+    rest.sort_unstable_by(by_key);
+    let mut order = Vec::with_capacity(rest.len() + 1);
     order.push(first);
-    order.extend(rest);
+    order.extend(rest.into_iter().map(|(_, i)| i));
     order
 }
 
@@ -423,6 +447,31 @@ mod tests {
             ..CostWeights::default()
         };
         Policy::new(PolicyKind::CacheAware, weights, Some(1))
+    }
+
+    #[test]
+    fn past_the_full_order_limit_the_order_is_the_choice_then_the_cheapest_retry_targets() {
+        let p = policy(PolicyKind::CacheAware);
+        // Rank i has i blocks of a 200-block prompt cached: cost falls with i.
+        let ranks: Vec<RankInput> = (0..200u32).map(|i| idle(i % 100)).collect();
+        let d = p.decide(&ranks, 200 * 16, 16);
+        assert_eq!(d.order.len(), 1 + RETRIES_MAX as usize);
+        assert_eq!(d.scores.len(), 200, "every rank is still scored");
+        let first = d.order[0];
+        let mut others: Vec<usize> = (0..200).filter(|&i| i != first).collect();
+        others.sort_by(|&a, &b| {
+            d.scores[a]
+                .cost_ms
+                .total_cmp(&d.scores[b].cost_ms)
+                .then(a.cmp(&b))
+        });
+        assert_eq!(&d.order[1..], &others[..RETRIES_MAX as usize]);
+        // Within the limit every rank is listed.
+        let small: Vec<RankInput> = (0..ORDER_FULL_RANKS_MAX as u32).map(idle).collect();
+        assert_eq!(
+            p.decide(&small, 64 * 16, 16).order.len(),
+            ORDER_FULL_RANKS_MAX
+        );
     }
 
     #[test]
