@@ -1153,7 +1153,9 @@ impl ReadinessHold {
 /// is `no_peers` or `fleet_cold`: an unready pod leaves its own EndpointSlice, so a fleet whose
 /// replicas wait on each other would never become ready. Past that, only with `seed_required`
 /// and only a timeout over a NON-EMPTY sibling set (peers were tried) holds it, until
-/// [`SEED_REQUIRED_HOLD_DEADLINE_FACTOR`] timeouts after arming.
+/// [`SEED_REQUIRED_HOLD_DEADLINE_FACTOR`] timeouts after arming; with `seed_required`, ranks
+/// still pending past the deadline before ANY verdict is in are held too (the verdict decides,
+/// and it is one pass away).
 pub fn readiness_hold(i: &ReadinessInputs) -> Option<ReadinessHold> {
     let deadline = i.armed_at_ms.saturating_add(i.timeout_ms);
     let never_holds = matches!(
@@ -1167,6 +1169,17 @@ pub fn readiness_hold(i: &ReadinessInputs) -> Option<ReadinessHold> {
         i.timeout_ms
             .saturating_mul(SEED_REQUIRED_HOLD_DEADLINE_FACTOR),
     );
+    // Past the deadline the sweep's verdict lands only at its next poll (up to a pass later).
+    // Until then seed_required cannot tell a timeout over tried peers from a cold fleet, and a
+    // ready answer in between would LATCH and skip the seed hold altogether: wait for it.
+    if i.seed_required
+        && !i.seeded
+        && i.any_pending
+        && i.latest_verdict.is_none()
+        && i.now_ms < hard_limit
+    {
+        return Some(ReadinessHold::BootstrapPending);
+    }
     if i.seed_required
         && !i.seeded
         && i.latest_verdict == Some(VerdictKind::TimedOut)

@@ -77,6 +77,39 @@ fn seed_required_holds_after_a_timeout_over_tried_peers_until_three_deadlines() 
     assert_eq!(readiness_hold(&without_flag), None);
 }
 
+/// Between the deadline and the sweep's `timed_out` verdict (its next poll, up to a pass later)
+/// no verdict is in yet. With seed_required, answering ready there would latch and skip the
+/// seed hold altogether (seen on real processes: a replica cut off from every sibling turned
+/// ready at the deadline instead of at 3x it), so the rule waits for the verdict, still bounded.
+#[test]
+fn with_seed_required_the_gap_between_the_deadline_and_the_verdict_does_not_turn_ready() {
+    let pending_past_deadline = |now| ReadinessInputs {
+        seed_required: true,
+        ..inputs(now)
+    };
+    assert_eq!(
+        readiness_hold(&pending_past_deadline(11_000)),
+        Some(ReadinessHold::BootstrapPending)
+    );
+    assert_eq!(
+        readiness_hold(&pending_past_deadline(31_000)),
+        None,
+        "still bounded by three deadlines"
+    );
+    for v in [VerdictKind::FleetCold, VerdictKind::NoPeers] {
+        let decided = ReadinessInputs {
+            latest_verdict: Some(v),
+            ..pending_past_deadline(11_000)
+        };
+        assert_eq!(readiness_hold(&decided), None, "{v:?} never holds");
+    }
+    let without = ReadinessInputs {
+        seed_required: false,
+        ..inputs(11_000)
+    };
+    assert_eq!(readiness_hold(&without), None, "only seed_required waits");
+}
+
 #[test]
 fn a_timeout_with_no_peer_tried_never_holds_readiness() {
     let i = ReadinessInputs {

@@ -894,8 +894,16 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         // nothing held, an empty answer is an engine that has published nothing yet.
         let contiguous = prefix.iter().zip(0..).all(|((s, _), want)| *s == want);
         let reaches_held = first_held.is_none_or(|f| prefix.len() as i64 == f);
-        let outcome = if contiguous && reaches_held {
+        // When the siblings named the rank `empty`, the engine is the witness: a replay holding
+        // nothing (and nothing held) confirms it; batches it cannot rebuild from prove the rank
+        // is NOT empty, only unrecoverable, which is `abandoned`.
+        let siblings_said_empty = fallback == BootstrapOutcome::Empty;
+        let outcome = if siblings_said_empty && prefix.is_empty() && first_held.is_none() {
+            BootstrapOutcome::Empty
+        } else if contiguous && reaches_held {
             BootstrapOutcome::FromEngineReplay
+        } else if siblings_said_empty && !prefix.is_empty() {
+            BootstrapOutcome::Abandoned
         } else {
             fallback
         };

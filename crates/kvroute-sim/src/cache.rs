@@ -124,6 +124,15 @@ impl PrefixCache {
         self.nodes.get(&key).map(|n| (n.on_device, n.on_host))
     }
 
+    /// Every cached block as (content key, parent's content key, engine hash, on device, on host),
+    /// in no particular order: read-only, so a test can compare a router's index with what the
+    /// engine really holds (`GET /control/cache`).
+    pub fn blocks(&self) -> impl Iterator<Item = (u64, Option<u64>, u64, bool, bool)> + '_ {
+        self.nodes
+            .iter()
+            .map(|(&k, n)| (k, n.parent, n.engine_hash, n.on_device, n.on_host))
+    }
+
     /// Counts the cached leading blocks and marks them used, so they are the last to be evicted
     /// while this request prefills.
     pub fn match_prefix(&mut self, keys: &[u64]) -> PrefixMatch {

@@ -5,7 +5,7 @@
 //! them, e.g. vllm-router's cache-aware policies), the simulator's own `/served_stats`
 //! (per-rank requests and tokens served, so a benchmark can measure how a router spread load
 //! without trusting the router), and the test-only `/control/*` endpoints (mounted only with
-//! `--enable-control`).
+//! `--enable-control`; `/control/cache` is the one read-only view of the true caches).
 //!
 //! Bodies are read as bytes under `--max-body-bytes` and parsed here, not by an extractor, so
 //! every failure (oversize, malformed JSON, wrong types, missing fields, bad rank hint) becomes
@@ -113,6 +113,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         app = app
             .route("/control/store", post(control_store))
             .route("/control/last_seq", get(control_last_seq))
+            .route("/control/cache", get(control_cache))
             .route("/control/flush", post(control_flush))
             .route("/control/drop_next", post(control_drop_next))
             .route(
@@ -919,6 +920,37 @@ async fn control_store(
 async fn control_last_seq(State(engine): State<Arc<Engine>>) -> axum::Json<Value> {
     let seqs: Vec<i64> = (0..engine.dp_size()).map(|r| engine.last_seq(r)).collect();
     axum::Json(json!({"last_seq": seqs}))
+}
+
+/// The engine's true caches, read-only: per rank, its last published seq and every cached block
+/// (hashes as 16-digit hex, like the router's JSON snapshot), read under the rank's lock so the
+/// blocks are exactly the effect of batches `0..=last_seq`. A test compares a router's index
+/// with this, so it never has to trust the router to say what the engine holds.
+async fn control_cache(State(engine): State<Arc<Engine>>) -> axum::Json<Value> {
+    let hex = |h: u64| format!("{h:016x}");
+    let ranks: Vec<Value> = (0..engine.dp_size())
+        .map(|r| {
+            let st = engine.ranks[r].state.lock();
+            let blocks: Vec<Value> = st
+                .cache
+                .blocks()
+                .map(|(key, parent, engine_hash, device, host)| {
+                    json!({
+                        "hash": hex(key),
+                        "parent": parent.map(hex),
+                        "engine_hash": hex(engine_hash),
+                        "device": device,
+                        "host": host,
+                    })
+                })
+                .collect();
+            json!({"dp_rank": r, "last_seq": st.publisher.last_seq(), "blocks": blocks})
+        })
+        .collect();
+    axum::Json(json!({
+        "block_size": engine.cfg.block_size,
+        "ranks": ranks,
+    }))
 }
 
 #[derive(Debug, Deserialize)]

@@ -837,6 +837,43 @@ fn engine_replay_not_reaching_origin_releases_with_the_fallback() {
     );
 }
 
+/// The siblings' "empty" is only their view: a sibling that holds the rank itself while it
+/// bootstraps carries nothing for it either. The engine's replay decides: batches from seq 0 are
+/// a rebuild (the rank was NOT empty), an empty buffer confirms `empty`.
+#[test]
+fn a_rank_the_siblings_call_empty_is_rebuilt_when_the_engine_replays_from_origin() {
+    let mut m = boot(true);
+    let mut out = Vec::new();
+    assert!(m.on_engine_rebuild(BootstrapOutcome::Empty, &mut out));
+    let out = replay(&mut m, 0, vec![(0, "b0"), (1, "b1")]);
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::FromEngineReplay]);
+    assert_eq!(applied(&out), vec![0, 1]);
+
+    let mut m = boot(true);
+    let mut out = Vec::new();
+    assert!(m.on_engine_rebuild(BootstrapOutcome::Empty, &mut out));
+    let out = replay(&mut m, 0, vec![]);
+    assert_eq!(
+        outcomes(&out),
+        vec![BootstrapOutcome::Empty],
+        "an engine that published nothing confirms the siblings' empty"
+    );
+    // Batches the engine cannot rebuild from (its buffer no longer reaches seq 0): the rank
+    // holds blocks nobody can recover, which is `abandoned`, never `empty`.
+    let mut m = boot(true);
+    let mut out = Vec::new();
+    m.on_engine_rebuild(BootstrapOutcome::Empty, &mut out);
+    let out = replay(&mut m, 0, vec![(6, "b6"), (7, "b7")]);
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::Abandoned]);
+    assert_eq!(applied(&out), vec![6, 7]);
+    // With another fallback an empty buffer stays what it was: a rebuild of nothing.
+    let mut m = boot(true);
+    let mut out = Vec::new();
+    m.on_engine_rebuild(BootstrapOutcome::Abandoned, &mut out);
+    let out = replay(&mut m, 0, vec![]);
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::FromEngineReplay]);
+}
+
 #[test]
 fn engine_replay_with_a_hole_is_not_a_rebuild() {
     let mut m = boot(true);
