@@ -28,3 +28,5 @@ if [ -f "$root/deploy/kubernetes/validate.sh" ]; then
   step "kubernetes manifests (offline schema check)"
   "$root/deploy/kubernetes/validate.sh"
 fi
+
+step "fuzz smoke (every cargo-fuzz target in fuzz/, fixed run counts; nightly)" && "$root/scripts/fuzz-smoke.sh"

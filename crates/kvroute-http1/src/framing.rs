@@ -310,16 +310,66 @@ pub enum Chunk {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ChunkState {
     Size { value: u64, digits: u8 },
-    Extension { value: u64 },
+    Extension { value: u64, at: ExtAt },
     SizeLf { value: u64 },
     Data { remaining: u64 },
     DataCr,
     DataLf,
     TrailerLineStart,
-    TrailerLine,
+    TrailerName,
+    TrailerValue,
     TrailerLf,
     FinalLf,
     Done,
+}
+
+/// Where the decoder is inside a chunk-size line's extensions, RFC 9112 section 7.1.1:
+///
+/// ```text
+/// chunk-ext      = *( BWS ";" BWS chunk-ext-name [ BWS "=" BWS chunk-ext-val ] )
+/// chunk-ext-name = token
+/// chunk-ext-val  = token / quoted-string
+/// ```
+///
+/// So after the size only whitespace then `;` may come (`5 junk` is refused, `5 ; name` is
+/// taken), a name is a non-empty token, a value a non-empty token or a quoted string, and
+/// whitespace is allowed only where BWS stands: around `;` and `=`, not before the CRLF.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ExtAt {
+    /// Whitespace after the size or after a value: only more whitespace or `;` may follow.
+    BeforeSemi,
+    /// After `;`: whitespace or the first byte of a name.
+    BeforeName,
+    /// Inside a name.
+    Name,
+    /// Whitespace after a name: `=`, `;` or more whitespace.
+    AfterName,
+    /// After `=`: whitespace or the first byte of a value.
+    BeforeValue,
+    /// Inside a token value.
+    Token,
+    /// Inside a quoted-string value.
+    Quoted,
+    /// After a backslash inside a quoted string.
+    QuotedPair,
+    /// Right after a quoted string's closing quote.
+    AfterQuoted,
+}
+
+/// `tchar` of RFC 9110 section 5.6.2: the bytes of a token.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// Whitespace where RFC 9110 allows BWS/OWS: space or horizontal tab.
+fn is_ws(b: u8) -> bool {
+    b == b' ' || b == b'\t'
+}
+
+/// `obs-text` (RFC 9110 section 5.5): bytes 0x80-0xFF, allowed in quoted strings and field
+/// values for compatibility.
+fn is_obs_text(b: u8) -> bool {
+    b >= 0x80
 }
 
 /// Incremental decoder of a `Transfer-Encoding: chunked` body. It consumes control bytes from
@@ -400,23 +450,35 @@ impl ChunkedDecoder {
                     })
                 } else if digits == 0 {
                     bad("missing chunk size")
-                } else if byte == b';' || byte == b' ' || byte == b'\t' {
-                    Ok(Extension { value })
+                } else if byte == b';' {
+                    Ok(Extension {
+                        value,
+                        at: ExtAt::BeforeName,
+                    })
+                } else if is_ws(byte) {
+                    Ok(Extension {
+                        value,
+                        at: ExtAt::BeforeSemi,
+                    })
                 } else if byte == b'\r' {
                     Ok(SizeLf { value })
                 } else {
                     bad("invalid byte in chunk size")
                 }
             }
-            Extension { value } => {
+            Extension { value, at } => {
                 if byte != b'\r' {
                     self.count_line_byte()?;
                 }
-                match byte {
-                    b'\r' => Ok(SizeLf { value }),
-                    b'\n' => bad("bare LF in chunk extension"),
-                    _ => Ok(Extension { value }),
+                if byte == b'\n' {
+                    // Strict on purpose: RFC 9112 section 7.1 ends every chunk line with CRLF,
+                    // and no engine needs leniency here. SGLang and vLLM serve through uvicorn,
+                    // whose two HTTP implementations (httptools and h11, checked in uvicorn
+                    // 0.54 / h11 0.16) write `%x\r\n` size lines without extensions and CRLF
+                    // after data and trailers; the simulated engine (hyper) does the same.
+                    return bad("bare LF in chunk extension");
                 }
+                Self::extension_step(value, at, byte)
             }
             SizeLf { value } => {
                 if byte != b'\n' {
@@ -436,7 +498,7 @@ impl ChunkedDecoder {
             }),
             DataCr | DataLf => bad("chunk data not ended by CRLF"),
             TrailerLineStart if byte == b'\r' => Ok(FinalLf),
-            TrailerLineStart | TrailerLine => {
+            TrailerLineStart | TrailerName | TrailerValue => {
                 // Field bytes count against the limit; the line ends (CRLF) do not.
                 if byte != b'\r' {
                     self.trailer_bytes += 1;
@@ -444,17 +506,76 @@ impl ChunkedDecoder {
                 if self.trailer_bytes > CHUNK_TRAILERS_MAX_BYTES {
                     return bad("trailers too long");
                 }
-                Ok(if byte == b'\r' {
-                    TrailerLf
-                } else {
-                    TrailerLine
-                })
+                Self::trailer_step(self.state, byte)
             }
             TrailerLf if byte == b'\n' => Ok(TrailerLineStart),
             FinalLf if byte == b'\n' => Ok(Done),
             TrailerLf | FinalLf => bad("trailer line not ended by CRLF"),
             // `decode` handles these two without calling `step`.
             Data { .. } | Done => Ok(self.state),
+        }
+    }
+
+    /// One byte of a chunk-size line's extensions (see [`ExtAt`] for the grammar). A CR ends
+    /// the line wherever the grammar may end: after a name, a token value or a quoted string.
+    fn extension_step(value: u64, at: ExtAt, byte: u8) -> Result<ChunkState, FramingError> {
+        use ExtAt::*;
+        let next = |at| Ok(ChunkState::Extension { value, at });
+        let end = || Ok(ChunkState::SizeLf { value });
+        let bad = |why| Err(FramingError::BadChunk(why));
+        match (at, byte) {
+            (BeforeSemi | Name | AfterName | Token | AfterQuoted, b';') => next(BeforeName),
+            (BeforeSemi | AfterName, b'\r') => {
+                bad("whitespace before the end of a chunk size line")
+            }
+            (BeforeSemi, b) if is_ws(b) => next(BeforeSemi),
+            (BeforeSemi, _) => bad("chunk extension not started by ';'"),
+            (BeforeName, b) if is_ws(b) => next(BeforeName),
+            (BeforeName | Name, b) if is_tchar(b) => next(Name),
+            (BeforeName, _) => bad("chunk extension without a name"),
+            (Name | Token | AfterQuoted, b'\r') => end(),
+            (Name | AfterName, b'=') => next(BeforeValue),
+            (Name | AfterName, b) if is_ws(b) => next(AfterName),
+            (Name | AfterName, _) => bad("invalid byte in chunk extension name"),
+            (BeforeValue, b) if is_ws(b) => next(BeforeValue),
+            (BeforeValue | Token, b) if is_tchar(b) => next(Token),
+            (BeforeValue, b'"') => next(Quoted),
+            (BeforeValue, _) => bad("chunk extension without a value"),
+            (Token | AfterQuoted, b) if is_ws(b) => next(BeforeSemi),
+            (Token, _) => bad("invalid byte in chunk extension value"),
+            (AfterQuoted, _) => bad("invalid byte after a quoted chunk extension value"),
+            (Quoted, b'"') => next(AfterQuoted),
+            (Quoted, b'\\') => next(QuotedPair),
+            // qdtext: HTAB, SP, %x21, %x23-5B, %x5D-7E, obs-text.
+            (Quoted, b) if is_ws(b) || (0x21..=0x7e).contains(&b) || is_obs_text(b) => next(Quoted),
+            // quoted-pair: "\" ( HTAB / SP / VCHAR / obs-text ).
+            (QuotedPair, b) if is_ws(b) || (0x21..=0x7e).contains(&b) || is_obs_text(b) => {
+                next(Quoted)
+            }
+            (Quoted | QuotedPair, _) => bad("invalid byte in a quoted chunk extension value"),
+        }
+    }
+
+    /// One byte of a trailer field line, `field-name ":" OWS field-value OWS` (RFC 9112
+    /// section 5): a non-empty token, a colon, then visible bytes, whitespace and obs-text up to
+    /// the CRLF. A bare LF or any other control byte in the line is refused, and so is a line
+    /// starting with whitespace (obsolete line folding).
+    fn trailer_step(state: ChunkState, byte: u8) -> Result<ChunkState, FramingError> {
+        use ChunkState::*;
+        let bad = |why| Err(FramingError::BadChunk(why));
+        match (state, byte) {
+            (TrailerLineStart | TrailerName, b) if is_tchar(b) => Ok(TrailerName),
+            (TrailerName, b':') => Ok(TrailerValue),
+            (TrailerValue, b'\r') => Ok(TrailerLf),
+            // Strict on purpose, as for chunk lines (see the size-line LF above).
+            (TrailerLineStart | TrailerName | TrailerValue, b'\n') => {
+                bad("bare LF in a trailer line")
+            }
+            (TrailerValue, b) if is_ws(b) || (0x21..=0x7e).contains(&b) || is_obs_text(b) => {
+                Ok(TrailerValue)
+            }
+            (TrailerValue, _) => bad("invalid byte in a trailer field value"),
+            _ => bad("invalid trailer field name"),
         }
     }
 

@@ -16,11 +16,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use kvroute_wire::PAYLOAD_MAX_BYTES;
 use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
-/// Largest topic frame accepted (topics are short configured strings).
-pub const TOPIC_MAX_BYTES: usize = 1024;
+mod frames;
+pub use frames::{FrameError, TOPIC_MAX_BYTES, parse_live_frames, parse_replay_frames};
+
 /// Upper bound of one SUB connect attempt; attempts repeat until the caller gives up, so this only
 /// bounds how stale the library's internal connect backoff can get.
 pub const SUB_CONNECT_ATTEMPT_TIMEOUT_MS: u64 = 2_000;
@@ -34,24 +34,6 @@ pub const REPLAY_BATCHES_MAX: usize = 16_384;
 pub const REPLAY_TOTAL_MAX_BYTES: usize = 256 * 1024 * 1024;
 /// The seq of a replay answer's end marker.
 pub const REPLAY_END_SEQ: i64 = -1;
-
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-pub enum FrameError {
-    #[error("expected {expected} frames, got {got}")]
-    FrameCount { expected: &'static str, got: usize },
-    #[error("seq frame has {got} bytes, expected 8")]
-    SeqWidth { got: usize },
-    #[error("payload of {got_bytes} bytes exceeds {limit_bytes}")]
-    PayloadTooLarge {
-        got_bytes: usize,
-        limit_bytes: usize,
-    },
-    #[error("topic of {got_bytes} bytes exceeds {limit_bytes}")]
-    TopicTooLarge {
-        got_bytes: usize,
-        limit_bytes: usize,
-    },
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
@@ -105,72 +87,6 @@ pub trait KvSource: Send + Sync + 'static {
         from_seq: i64,
         stop_before: Option<i64>,
     ) -> impl Future<Output = Result<Vec<(i64, Bytes)>, TransportError>> + Send;
-}
-
-fn read_seq(frame: &Bytes) -> Result<i64, FrameError> {
-    let bytes: [u8; 8] = frame
-        .as_ref()
-        .try_into()
-        .map_err(|_| FrameError::SeqWidth { got: frame.len() })?;
-    Ok(i64::from_be_bytes(bytes))
-}
-
-fn check_payload(payload: &Bytes) -> Result<(), FrameError> {
-    if payload.len() > PAYLOAD_MAX_BYTES {
-        return Err(FrameError::PayloadTooLarge {
-            got_bytes: payload.len(),
-            limit_bytes: PAYLOAD_MAX_BYTES,
-        });
-    }
-    Ok(())
-}
-
-fn check_topic(topic: &Bytes) -> Result<(), FrameError> {
-    if topic.len() > TOPIC_MAX_BYTES {
-        return Err(FrameError::TopicTooLarge {
-            got_bytes: topic.len(),
-            limit_bytes: TOPIC_MAX_BYTES,
-        });
-    }
-    Ok(())
-}
-
-/// A live message: `[topic, seq (8-byte BE), payload]`.
-pub fn parse_live_frames(frames: &[Bytes]) -> Result<(i64, Bytes), FrameError> {
-    let [topic, seq, payload] = frames else {
-        return Err(FrameError::FrameCount {
-            expected: "3 (topic, seq, payload)",
-            got: frames.len(),
-        });
-    };
-    check_topic(topic)?;
-    check_payload(payload)?;
-    Ok((read_seq(seq)?, payload.clone()))
-}
-
-/// A replay answer message: `["", topic, seq, payload]` or, from older engines, `["", seq,
-/// payload]`. The leading empty delimiter is optional here because it is a convention of the
-/// engine's ROUTER, not something DEALER enforces.
-pub fn parse_replay_frames(frames: &[Bytes]) -> Result<(i64, Bytes), FrameError> {
-    let frames = match frames.first() {
-        Some(f) if f.is_empty() && frames.len() >= 3 => &frames[1..],
-        _ => frames,
-    };
-    let (seq, payload) = match frames {
-        [topic, seq, payload] => {
-            check_topic(topic)?;
-            (seq, payload)
-        }
-        [seq, payload] => (seq, payload),
-        _ => {
-            return Err(FrameError::FrameCount {
-                expected: "2 or 3 after the empty delimiter",
-                got: frames.len(),
-            });
-        }
-    };
-    check_payload(payload)?;
-    Ok((read_seq(seq)?, payload.clone()))
 }
 
 /// The `zeromq`-crate implementation.
@@ -302,6 +218,7 @@ impl KvSource for ZmqSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_wire::PAYLOAD_MAX_BYTES;
 
     fn b(x: &[u8]) -> Bytes {
         Bytes::copy_from_slice(x)
