@@ -12,11 +12,9 @@
 //! path, which also produces every error message. So the fast path can never accept a body the
 //! generic path would reject or read one differently: a property test checks exactly that.
 //!
-//! Values of every other key are skipped with serde_json itself (`IgnoredAny` through a stream
-//! deserializer, which reports how many bytes it consumed), so strings with escapes, nested
-//! objects and numbers in those values are validated by the same parser as everywhere else.
-
-use serde::de::IgnoredAny;
+//! Values of every other key are parsed with serde_json itself (a stream deserializer, which
+//! reports how many bytes it consumed), so strings with escapes, nested objects and numbers in
+//! those values are validated by the same parser as everywhere else.
 
 /// What routing needs from a body that already carries token ids.
 #[derive(Debug, PartialEq, Eq)]
@@ -236,7 +234,12 @@ impl<'a> Reader<'a> {
     /// the reader never takes a body the generic path refuses.
     fn skip_value(&mut self) -> Option<()> {
         let rest = &self.bytes[self.pos..];
-        let mut values = serde_json::Deserializer::from_slice(rest).into_iter::<IgnoredAny>();
+        // Parsed into a `Value`, not skipped as `IgnoredAny`: serde_json does not check the
+        // UTF-8 of strings it ignores, nor the range of numbers (`1e400`), and the generic path
+        // (which builds values) refuses both; the fuzzer found each. The values skipped are
+        // the small fields of a request (`max_tokens`, `temperature`, ...).
+        let mut values =
+            serde_json::Deserializer::from_slice(rest).into_iter::<serde_json::Value>();
         values.next()?.ok()?;
         let len = values.byte_offset();
         // The body's own object is one level: the value may nest one level less than serde
@@ -319,6 +322,25 @@ mod tests {
         // Brackets inside strings are not nesting.
         let in_string = format!(r#"{{"prompt":[1],"x":"{}"}}"#, "[".repeat(500));
         assert!(read_token_ids_body(in_string.as_bytes(), "prompt").is_some());
+    }
+
+    #[test]
+    fn a_skipped_value_the_generic_path_refuses_is_left_to_it() {
+        // Found by the fuzzer (fuzz/seeds/token_ids/regression_*): invalid UTF-8 in a skipped
+        // string, and a number out of f64's range.
+        for body in [
+            &b"{\"prompt\":[1],\"x\":\"\xff\"}"[..],
+            b"{\"prompt\":[1],\"x\":{\"\xc3\":1}}",
+            b"{\"prompt\":[1],\"x\":1e400}",
+        ] {
+            assert!(serde_json::from_slice::<serde_json::Value>(body).is_err());
+            assert_eq!(
+                read_token_ids_body(body, "prompt"),
+                None,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
     }
 
     #[test]
