@@ -477,6 +477,7 @@ impl KvPlane {
                 events: inner.events_tx.clone(),
                 on_apply: None,
                 on_slice: None,
+                held_bytes_total_max: crate::rank_state::BOOTSTRAP_HELD_BYTES_TOTAL_MAX,
             },
         );
         let handle = tokio::spawn(pump.run(rx));

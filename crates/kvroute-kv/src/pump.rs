@@ -157,6 +157,9 @@ pub(crate) struct PumpConfig {
     pub events: mpsc::Sender<BootstrapEvent>,
     pub on_apply: Option<ApplyObserver>,
     pub on_slice: Option<SliceObserver>,
+    /// Bytes all bootstrapping ranks of the model may hold together
+    /// (`rank_state::BOOTSTRAP_HELD_BYTES_TOTAL_MAX` unless a test lowers it).
+    pub held_bytes_total_max: u64,
 }
 
 struct PumpRank {
@@ -224,6 +227,8 @@ pub(crate) struct Pump<S: KvSource> {
     /// before it takes another message (back-pressure). At most what one message produced.
     unsent: VecDeque<BootstrapEvent>,
     last_pregrow: Option<Instant>,
+    /// Bytes every bootstrapping rank holds together (the sum of `PumpRank::gauged.1`).
+    held_bytes_total: u64,
 }
 
 impl<S: KvSource> Pump<S> {
@@ -253,6 +258,7 @@ impl<S: KvSource> Pump<S> {
             queued_grafts: VecDeque::new(),
             unsent: VecDeque::new(),
             last_pregrow: None,
+            held_bytes_total: 0,
         }
     }
 
@@ -345,6 +351,7 @@ impl<S: KvSource> Pump<S> {
                 };
                 rank.machine.on_live_batch(seq, batch, &mut self.actions);
                 self.execute(&key);
+                self.enforce_held_total();
             }
             PumpMsg::Reconnected { key, incarnation } => {
                 let Some(rank) = current(&mut self.ranks, &key, incarnation) else {
@@ -906,7 +913,39 @@ impl<S: KvSource> Pump<S> {
         self.gauge_held(before, held);
     }
 
-    fn gauge_held(&self, before: (u64, u64), after: (u64, u64)) {
+    /// Keeps what all bootstrapping ranks hold together under `held_bytes_total_max`: the rank
+    /// holding the most is released cold (`overflow`), then the next, until the total fits.
+    /// Ranks whose actions wait behind a running graft are not candidates (what they hold is the
+    /// graft job's, and it is bounded by the job).
+    fn enforce_held_total(&mut self) {
+        while self.held_bytes_total > self.cfg.held_bytes_total_max {
+            let deferred =
+                |k: &RankKey| self.graft.as_ref().is_some_and(|g| g.ranks.contains_key(k));
+            let Some(key) = self
+                .ranks
+                .iter()
+                .filter(|(k, r)| r.gauged.1 > 0 && !deferred(k))
+                .max_by_key(|(_, r)| r.gauged.1)
+                .map(|(k, _)| k.clone())
+            else {
+                return;
+            };
+            let Some(rank) = self.ranks.get_mut(&key) else {
+                return;
+            };
+            if !rank.machine.overflow_for_total(&mut self.actions) {
+                return;
+            }
+            tracing::warn!(worker = %key.url, dp_rank = key.dp_rank,
+                held_bytes_total = self.held_bytes_total,
+                limit_bytes = self.cfg.held_bytes_total_max,
+                "bootstrapping ranks hold too much together; the largest runs cold");
+            self.execute(&key);
+        }
+    }
+
+    fn gauge_held(&mut self, before: (u64, u64), after: (u64, u64)) {
+        self.held_bytes_total = (self.held_bytes_total + after.1).saturating_sub(before.1);
         if before == after {
             return;
         }
@@ -1096,6 +1135,7 @@ mod tests {
                 events: mpsc::channel(1).0,
                 on_apply: None,
                 on_slice: None,
+                held_bytes_total_max: crate::rank_state::BOOTSTRAP_HELD_BYTES_TOTAL_MAX,
             },
         );
         tokio::spawn(pump.run(rx));

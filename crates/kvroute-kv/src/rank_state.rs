@@ -102,6 +102,11 @@ pub const BOOTSTRAP_HELD_BATCHES_MAX: usize = 8192;
 /// batches because a batch ranges from a few hundred bytes to megabytes (token ids of every
 /// stored block); this bounds a 1,024-rank fleet's holds to a few GiB in the worst case.
 pub const BOOTSTRAP_HELD_BYTES_MAX: u64 = 4 * 1024 * 1024;
+/// Bytes of live batches one model's bootstrapping ranks may hold ALL TOGETHER. A fleet of a
+/// thousand ranks each within [`BOOTSTRAP_HELD_BYTES_MAX`] could hold gigabytes; past this
+/// total the rank holding the most is released cold (`overflow`), one at a time, until the total
+/// is back under it.
+pub const BOOTSTRAP_HELD_BYTES_TOTAL_MAX: u64 = 256 * 1024 * 1024;
 
 /// Unanswered sibling-cursor probes of a deferred splice proof before the graft is kept as
 /// `warm_unwitnessed`; bounded so a replica alone in its fleet settles instead of probing forever.
@@ -987,6 +992,21 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
                 self.apply_in_order(s, b, out);
             }
         }
+    }
+
+    /// Releases a holding rank cold (`overflow`) because the model's ranks together hold too
+    /// much (see [`BOOTSTRAP_HELD_BYTES_TOTAL_MAX`]). False, and nothing happens, when the rank
+    /// holds nothing in a phase that holds.
+    pub fn overflow_for_total(&mut self, out: &mut Vec<Action<B>>) -> bool {
+        let holding = matches!(
+            self.phase,
+            Phase::Holding { .. } | Phase::Rebuilding { .. } | Phase::Healing { .. }
+        );
+        if !holding || self.held_bytes() == 0 {
+            return false;
+        }
+        self.overflow(out);
+        true
     }
 
     fn overflow(&mut self, out: &mut Vec<Action<B>>) {

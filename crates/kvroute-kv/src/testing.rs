@@ -57,6 +57,8 @@ pub struct DriverConfig {
     pub probe_interval: Duration,
     pub on_apply: Option<ApplyObserver>,
     pub on_slice: Option<SliceObserver>,
+    /// Bytes all bootstrapping ranks may hold together.
+    pub held_bytes_total_max: u64,
 }
 
 impl DriverConfig {
@@ -70,6 +72,7 @@ impl DriverConfig {
             probe_interval: Duration::ZERO,
             on_apply: None,
             on_slice: None,
+            held_bytes_total_max: crate::rank_state::BOOTSTRAP_HELD_BYTES_TOTAL_MAX,
         }
     }
 }
@@ -111,6 +114,7 @@ impl PumpDriver {
                 events: events_tx,
                 on_apply: cfg.on_apply,
                 on_slice: cfg.on_slice,
+                held_bytes_total_max: cfg.held_bytes_total_max,
             },
         );
         tokio::spawn(pump.run(rx));

@@ -808,3 +808,54 @@ async fn actions_queued_behind_a_graft_past_their_bound_finish_the_graft_at_once
     let status = d.status(&w).expect("status");
     assert_eq!((status.held_batches, status.held_bytes), (0, 0));
 }
+
+#[tokio::test]
+async fn past_the_total_held_bound_the_rank_holding_the_most_runs_cold_and_the_others_keep_holding()
+{
+    // Three ranks hold; the bound fits ten of these batches in all.
+    let per_batch_bytes = {
+        use kvroute_kv::rank_state::HeldCost;
+        store(1, 4).held_bytes()
+    };
+    let mut cfg = DriverConfig::new(BLOCK_SIZE);
+    cfg.held_bytes_total_max = per_batch_bytes * 10;
+    let mut d = PumpDriver::start(cfg);
+    let (big, small_a, small_b) = (key("http://big"), key("http://a"), key("http://b"));
+    for k in [&big, &small_a, &small_b] {
+        d.add_rank(k, 1, true).await;
+    }
+    for seq in 1..=3 {
+        d.batch(&small_a, 1, seq, store(100 + seq as u64, 4)).await;
+        d.batch(&small_b, 1, seq, store(200 + seq as u64, 4)).await;
+    }
+    // 6 held so far; `big` takes the total past 10 at its 5th batch.
+    for seq in 1..=5 {
+        d.batch(&big, 1, seq, store(300 + seq as u64, 4)).await;
+    }
+    let events = drain_events(&mut d).await;
+    assert!(
+        events.contains(&finished(&big, 1, BootstrapOutcome::Overflow)),
+        "the rank holding the most overflows: {events:?}"
+    );
+    for k in [&small_a, &small_b] {
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, BootstrapEvent::Finished { key, .. } if key == k)),
+            "{} keeps holding: {events:?}",
+            k.url
+        );
+        assert_eq!(
+            d.status(k).map(|s| s.held_batches),
+            Some(3),
+            "{} still holds its 3 batches",
+            k.url
+        );
+    }
+    // What `big` held was applied in order when it went cold.
+    assert_eq!(d.reader.total_carried(), 5 * 4);
+    assert!(
+        metric(&d, "kvroute_kv_bootstrap_held_bytes", None) <= (per_batch_bytes * 10) as f64,
+        "the held total is back under its bound"
+    );
+}
