@@ -101,9 +101,10 @@ fn parse_content_length(value: &[u8]) -> Option<u64> {
 }
 
 /// Classifies the bytes at the front of a client connection. The fast path takes a request only
-/// when it is exactly `POST` to one of the three proxied routes, over HTTP/1.1, framed by a
-/// single valid `Content-Length` (digits only), with no `Transfer-Encoding`, `Expect` or
-/// `Upgrade`, and a head within [`REQUEST_HEAD_MAX_BYTES`] and [`HEADERS_MAX`]. Anything else
+/// when it is exactly `POST` to one of the three proxied routes, over HTTP/1.1, with a `Host`,
+/// framed by a single valid `Content-Length` (digits only), with no `Transfer-Encoding`, `Expect`
+/// or `Upgrade`, and a head within [`REQUEST_HEAD_MAX_BYTES`] and [`HEADERS_MAX`]. A query string
+/// is accepted and, as on the general server, not forwarded: the engine gets the route's path. Anything else
 /// (another route, chunked upload, HTTP/1.0, HTTP/2 prior knowledge, a malformed head) is
 /// [`RequestHead::Other`], so a general server answers it exactly as it would have (its own 400s
 /// included).
@@ -133,8 +134,11 @@ pub fn classify_request(buf: &[u8]) -> RequestHead {
     let mut keep_alive = true;
     let mut request_id = None;
     let mut request_id_seen = false;
+    let mut has_host = false;
     for h in req.headers.iter() {
-        if header_is(h.name, "content-length") {
+        if header_is(h.name, "host") {
+            has_host = true;
+        } else if header_is(h.name, "content-length") {
             if content_length.is_some() {
                 return RequestHead::Other;
             }
@@ -163,6 +167,11 @@ pub fn classify_request(buf: &[u8]) -> RequestHead {
     let Some(content_length) = content_length else {
         return RequestHead::Other;
     };
+    // RFC 9112 section 3.2: an HTTP/1.1 request without Host gets a 400. The general server
+    // answers it (the router's app refuses it there), so both servers answer alike.
+    if !has_host {
+        return RequestHead::Other;
+    }
     RequestHead::Fast(FastRequest {
         route,
         head_len,
@@ -645,11 +654,41 @@ impl OutFraming {
 /// the decision from the router's own formatting, checked by the caller).
 pub struct ResponseHeadOut<'a> {
     pub status: u16,
+    /// The `Date` value ([`http_date_now`]): RFC 9110 section 6.6.1 asks a server with a clock,
+    /// and a proxy forwarding a response without one, to send it.
+    pub date: &'a [u8],
     pub content_type: Option<&'a [u8]>,
     pub request_id: &'a str,
     pub decision: Option<&'a [u8]>,
     pub framing: OutFraming,
     pub close: bool,
+}
+
+/// Length of an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`).
+pub const HTTP_DATE_BYTES: usize = 29;
+
+/// The current time as an IMF-fixdate, formatted at most once per second per thread (a response
+/// head costs a clock read and a copy, like hyper's own date cache).
+pub fn http_date_now() -> [u8; HTTP_DATE_BYTES] {
+    use std::cell::Cell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    thread_local! {
+        static CACHED: Cell<(u64, [u8; HTTP_DATE_BYTES])> = const { Cell::new((u64::MAX, [0; HTTP_DATE_BYTES])) };
+    }
+    let now = SystemTime::now();
+    let second = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    CACHED.with(|cached| {
+        let (at, date) = cached.get();
+        if at == second {
+            return date;
+        }
+        let mut fresh = [0u8; HTTP_DATE_BYTES];
+        let text = httpdate::fmt_http_date(now);
+        let n = text.len().min(HTTP_DATE_BYTES);
+        fresh[..n].copy_from_slice(&text.as_bytes()[..n]);
+        cached.set((second, fresh));
+        fresh
+    })
 }
 
 /// Appends a client response head.
@@ -663,6 +702,11 @@ pub fn encode_response_head(out: &mut Vec<u8>, head: &ResponseHeadOut<'_>) {
         .unwrap_or("Unknown");
     out.extend_from_slice(reason.as_bytes());
     out.extend_from_slice(b"\r\n");
+    if !head.date.is_empty() {
+        out.extend_from_slice(b"date: ");
+        out.extend_from_slice(head.date);
+        out.extend_from_slice(b"\r\n");
+    }
     if let Some(ct) = head.content_type {
         out.extend_from_slice(b"content-type: ");
         out.extend_from_slice(ct);

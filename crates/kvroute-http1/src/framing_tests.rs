@@ -213,6 +213,7 @@ fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
 
 fn out_head(framing: OutFraming, close: bool) -> ResponseHeadOut<'static> {
     ResponseHeadOut {
+        date: b"",
         status: 200,
         content_type: Some(b"application/json"),
         request_id: "req-1",
@@ -536,10 +537,41 @@ fn a_request_id_with_a_control_char_is_never_used() {
 #[test]
 fn a_request_id_with_non_ascii_bytes_is_dropped_but_the_request_stays_fast() {
     let mut buf =
-        b"POST /v1/completions HTTP/1.1\r\ncontent-length: 1\r\nx-request-id: caf".to_vec();
+        b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: 1\r\nx-request-id: caf"
+            .to_vec();
     buf.extend_from_slice(b"\xc3\xa9\r\n\r\n");
     assert_eq!(fast(&buf).request_id, None);
     assert_eq!(usable_request_id("café".as_bytes()), None);
+}
+
+#[test]
+fn an_http_1_1_request_without_host_goes_to_the_general_server_which_refuses_it() {
+    let without = b"POST /v1/completions HTTP/1.1\r\ncontent-length: 1\r\n\r\n";
+    assert_eq!(classify_request(without), RequestHead::Other);
+    let with = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\ncontent-length: 1\r\n\r\n";
+    assert!(matches!(classify_request(with), RequestHead::Fast(_)));
+}
+
+#[test]
+fn a_response_head_carries_the_date_and_the_date_is_an_imf_fixdate() {
+    let date = http_date_now();
+    let text = std::str::from_utf8(&date).unwrap();
+    assert!(httpdate::parse_http_date(text).is_ok(), "{text}");
+    let mut out = Vec::new();
+    encode_response_head(
+        &mut out,
+        &ResponseHeadOut {
+            date: &date,
+            status: 200,
+            content_type: None,
+            request_id: "r",
+            decision: None,
+            framing: OutFraming::Length(0),
+            close: false,
+        },
+    );
+    let head = String::from_utf8(out).unwrap();
+    assert!(head.contains(&format!("\r\ndate: {text}\r\n")), "{head}");
 }
 
 #[test]
@@ -1544,6 +1576,7 @@ fn decision_and_content_type_headers_are_written_only_when_given() {
     encode_response_head(
         &mut out,
         &ResponseHeadOut {
+            date: b"",
             status: 503,
             content_type: None,
             request_id: "generated-7",
@@ -1809,6 +1842,7 @@ proptest! {
         let content_type: &[u8] = b"text/event-stream";
         let mut out = Vec::new();
         encode_response_head(&mut out, &ResponseHeadOut {
+            date: b"",
             status,
             content_type: with_content_type.then_some(content_type),
             request_id: "r",
@@ -1855,6 +1889,7 @@ fn statuses_without_a_body_get_no_framing_header() {
         encode_response_head(
             &mut out,
             &ResponseHeadOut {
+                date: b"",
                 status,
                 content_type: None,
                 request_id: "r",

@@ -540,3 +540,58 @@ async fn a_prompt_over_the_models_token_limit_is_a_400_that_names_the_limit() {
     router.shutdown().await;
     fleet.shutdown().await;
 }
+
+/// Sends `request` on a new connection and returns the answer's head (up to the blank line).
+async fn head_of(addr: SocketAddr, request: &[u8]) -> String {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        match tokio::time::timeout(LIMIT_ACTS_WITHIN, stream.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => got.extend_from_slice(&chunk[..n]),
+            other => panic!(
+                "no complete answer head ({other:?}); got {:?}",
+                String::from_utf8_lossy(&got)
+            ),
+        }
+    }
+    String::from_utf8_lossy(&got).into()
+}
+
+#[tokio::test]
+async fn both_servers_send_a_date_and_refuse_an_http_1_1_request_without_host() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = router_with(router_config(&urls(&fleet))).await;
+    let body = r#"{"model":"m","prompt":[1,2,3],"max_tokens":1}"#;
+    // The hand-written path (a POST it takes) and hyper (a GET).
+    let fast = head_of(
+        router.addr,
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await;
+    let general = head_of(router.addr, b"GET /healthz HTTP/1.1\r\nhost: r\r\n\r\n").await;
+    for (path, head) in [("hand-written", &fast), ("hyper", &general)] {
+        assert!(head.starts_with("HTTP/1.1 200"), "{path}: {head}");
+        assert!(
+            head.to_ascii_lowercase().contains("\r\ndate: "),
+            "{path} sends a Date: {head}"
+        );
+    }
+    let no_host = head_of(
+        router.addr,
+        format!(
+            "POST /v1/completions HTTP/1.1\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await;
+    assert!(no_host.starts_with("HTTP/1.1 400"), "{no_host}");
+    router.shutdown().await;
+    fleet.shutdown().await;
+}

@@ -78,6 +78,20 @@ pub fn app(router: Arc<Router>, upstream: UpstreamClient) -> AxumRouter {
         .merge(control)
         .fallback(|| async { ApiError::BadRequest("unknown route".into()).into_response() })
         .with_state(state)
+        .layer(axum::middleware::from_fn(require_host))
+}
+
+/// RFC 9112 section 3.2: an HTTP/1.1 request without `Host` is answered 400. hyper does not
+/// check it; the hand-written path hands such a request here (`classify_request`), so both
+/// servers answer it alike.
+async fn require_host(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    if request.version() == axum::http::Version::HTTP_11
+        && !request.headers().contains_key(axum::http::header::HOST)
+    {
+        return ApiError::BadRequest("an HTTP/1.1 request needs a Host header".into())
+            .into_response();
+    }
+    next.run(request).await
 }
 
 /// The admin API as the internal listener serves it: every admin route, unguarded here (the

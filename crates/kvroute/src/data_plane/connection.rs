@@ -176,6 +176,7 @@ async fn write_timeout_answer(ctx: &ConnectionContext, stream: &mut TcpStream, e
     h1::encode_response_head(
         &mut out,
         &ResponseHeadOut {
+            date: &h1::http_date_now(),
             status: e.status().as_u16(),
             content_type: Some(b"application/json"),
             request_id: &request::new_request_id(),
@@ -288,6 +289,7 @@ async fn serve_request(
     h1::encode_response_head(
         &mut out,
         &ResponseHeadOut {
+            date: &h1::http_date_now(),
             status: routed.status,
             content_type: routed.content_type.as_deref(),
             request_id: &request_id,
@@ -388,6 +390,7 @@ async fn write_error(
     h1::encode_response_head(
         &mut out,
         &ResponseHeadOut {
+            date: &h1::http_date_now(),
             status,
             content_type: Some(b"application/json"),
             request_id,
