@@ -54,6 +54,9 @@ pub struct DemoArgs {
     /// Print the results as one JSON document (with per-rank balance) instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// The rolling-update mode (`--rolling-update` and its settings).
+    #[command(flatten)]
+    pub rolling: crate::rolling::RollingArgs,
 }
 
 /// Largest Zipf exponent accepted for the demo's prompt popularity (beyond it every

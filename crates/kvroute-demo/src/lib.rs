@@ -51,6 +51,8 @@ use kvroute::routing::policy::CostWeights;
 use kvroute::{PolicyKind, RouterConfig, WorkerSpec};
 
 pub mod args;
+pub mod chart;
+pub mod rolling;
 
 pub use args::{DemoArgs, FleetPrefill};
 
@@ -793,6 +795,12 @@ pub fn run_json(r: &RunResult) -> Value {
 /// Runs the demo and prints one line per policy (or, with `--json`, one JSON document). With
 /// `--router-url`, drives that router once instead of the in-process fleet.
 pub async fn run(args: DemoArgs) -> Result<(), String> {
+    if args.rolling.rolling_update {
+        if args.router_url.is_some() || !args.policies.is_empty() {
+            return Err("--rolling-update runs its own fleet of cache_aware replicas; it takes neither --router-url nor --policies".into());
+        }
+        return rolling::run_and_report(&args).await;
+    }
     if let Some(router_url) = args.router_url.clone() {
         return run_external_and_print(&router_url, &args).await;
     }
@@ -932,6 +940,7 @@ pub fn tiny_workload_args() -> DemoArgs {
         engine_urls: vec![],
         label: "external".into(),
         json: false,
+        rolling: rolling::RollingArgs::default(),
     }
 }
 
