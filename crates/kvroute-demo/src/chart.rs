@@ -208,6 +208,7 @@ mod tests {
             max_ttft_p90_ms: 49.0,
             rollout_hit_rate: hit,
             wall_s: 10.0,
+            accuracy: vec![],
         }
     }
 

@@ -134,6 +134,8 @@ struct Sample {
     ttft: Duration,
     prompt_tokens: u64,
     cached_tokens: u64,
+    /// The router's `x-kvroute-decision` header, when it sends one.
+    decision: Option<String>,
 }
 
 /// Matches prefixes against the in-process simulated engines' caches. It reads with
@@ -332,8 +334,15 @@ async fn chat_turn(
             resp.text().await.unwrap_or_default()
         ));
     }
+    let mut sample = Sample {
+        decision: resp
+            .headers()
+            .get(kvroute::data_plane::forward::DECISION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
+        ..Sample::default()
+    };
     let mut stream = resp.bytes_stream();
-    let mut sample = Sample::default();
     let mut first = true;
     let mut buf = String::new();
     let mut reply = String::new();

@@ -125,6 +125,12 @@ struct TimedSample {
     ttft_ms: f64,
     prompt_tokens: u64,
     cached_tokens: u64,
+    /// Which replica routed it (0.. in start order: the first `rolling_replicas` are the
+    /// originals, then the replacements).
+    replica: usize,
+    /// Tokens the router predicted cached on the chosen rank (`matched_blocks` of its decision
+    /// header times the block size).
+    predicted_tokens: Option<u64>,
 }
 
 /// What happened to the replica set, for the chart's markers and the report.
@@ -168,6 +174,8 @@ pub struct RolloutRun {
     /// Aggregate hit rate from the first replacement to the end.
     pub rollout_hit_rate: f64,
     pub wall_s: f64,
+    /// Per replica (originals first), its predictions against the engines' reports.
+    pub accuracy: Vec<ReplicaAccuracy>,
 }
 
 impl RolloutRun {
@@ -180,12 +188,13 @@ impl RolloutRun {
 /// The client's view of which replicas take requests (the round robin reads it per request).
 #[derive(Default)]
 struct Rotation {
-    urls: RwLock<Vec<String>>,
+    /// (replica number, base URL).
+    urls: RwLock<Vec<(usize, String)>>,
     next: AtomicUsize,
 }
 
 impl Rotation {
-    fn pick(&self) -> Option<String> {
+    fn pick(&self) -> Option<(usize, String)> {
         let urls = self.urls.read().unwrap_or_else(|e| e.into_inner());
         if urls.is_empty() {
             return None;
@@ -194,19 +203,74 @@ impl Rotation {
         Some(urls[i].clone())
     }
 
-    fn add(&self, url: String) {
+    fn add(&self, replica: usize, url: String) {
         self.urls
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .push(url);
+            .push((replica, url));
     }
 
     fn remove(&self, url: &str) {
         self.urls
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|u| u != url);
+            .retain(|(_, u)| u != url);
     }
+}
+
+/// `matched_blocks` of an `x-kvroute-decision` header.
+fn matched_blocks(decision: &str) -> Option<u64> {
+    decision
+        .split(';')
+        .find_map(|kv| kv.strip_prefix("matched_blocks="))
+        .and_then(|v| v.parse().ok())
+}
+
+/// How one replica's predictions compared with what the engines reported, over the requests
+/// it routed (a replica whose index has drifted from the engines' caches shows it here first).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaAccuracy {
+    pub replica: usize,
+    pub requests: usize,
+    pub hit_rate: f64,
+    /// Requests whose predicted cached tokens exceeded the reported ones by a block or more.
+    pub over_predicted: usize,
+    /// Requests whose reported cached tokens exceeded the prediction by a block or more.
+    pub under_predicted: usize,
+}
+
+fn accuracy(samples: &[TimedSample], block_size: u64) -> Vec<ReplicaAccuracy> {
+    let mut replicas: Vec<usize> = samples.iter().map(|s| s.replica).collect();
+    replicas.sort_unstable();
+    replicas.dedup();
+    replicas
+        .into_iter()
+        .map(|replica| {
+            let mine: Vec<TimedSample> = samples
+                .iter()
+                .filter(|s| s.replica == replica)
+                .copied()
+                .collect();
+            let (mut over, mut under) = (0, 0);
+            for s in &mine {
+                let Some(p) = s.predicted_tokens else {
+                    continue;
+                };
+                if p >= s.cached_tokens + block_size {
+                    over += 1;
+                } else if s.cached_tokens >= p + block_size {
+                    under += 1;
+                }
+            }
+            ReplicaAccuracy {
+                replica,
+                requests: mine.len(),
+                hit_rate: hit_rate(&mine),
+                over_predicted: over,
+                under_predicted: under,
+            }
+        })
+        .collect()
 }
 
 /// Windows of `window_ms` over the samples' start times, from 0 to `end_ms`.
@@ -293,6 +357,7 @@ fn summarize(
             .min(1.0),
         max_ttft_p90_ms: during.iter().map(|w| w.ttft_p90_ms).fold(0.0, f64::max),
         rollout_hit_rate: hit_rate(&rollout),
+        accuracy: accuracy(samples, crate::BLOCK_SIZE_TOKENS as u64),
         windows,
         replacements,
         requests: samples.len(),
@@ -308,7 +373,10 @@ fn replica_config(
     seed: u64,
     peers: &[String],
 ) -> Result<RouterConfig, String> {
-    let base = router_config(fleet, PolicyKind::CacheAware, false, seed);
+    let base = RouterConfig {
+        decision_header: true,
+        ..router_config(fleet, PolicyKind::CacheAware, false, seed)
+    };
     if peers.is_empty() {
         return Ok(base);
     }
@@ -386,8 +454,8 @@ async fn run_rollout(
         replicas.push_back(handle);
     }
     let rotation = Arc::new(Rotation::default());
-    for r in &replicas {
-        rotation.add(r.url());
+    for (i, r) in replicas.iter().enumerate() {
+        rotation.add(i, r.url());
     }
 
     let started = Instant::now();
@@ -419,7 +487,7 @@ async fn run_rollout(
                         break;
                     }
                     messages.push(json!({"role": "user", "content": turn}));
-                    let Some(base) = rotation.pick() else {
+                    let Some((replica, base)) = rotation.pick() else {
                         failures.fetch_add(1, Ordering::Relaxed);
                         break;
                     };
@@ -433,6 +501,8 @@ async fn run_rollout(
                                     ttft_ms: s.ttft.as_secs_f64() * 1000.0,
                                     prompt_tokens: s.prompt_tokens,
                                     cached_tokens: s.cached_tokens,
+                                    replica,
+                                    predicted_tokens: s.decision.as_deref().and_then(matched_blocks).map(|b| b * crate::BLOCK_SIZE_TOKENS as u64),
                                 },
                             );
                             messages.push(json!({"role": "assistant", "content": reply}));
@@ -479,7 +549,10 @@ async fn run_rollout(
         }
         let ready_ms = since_start_ms();
         let outcomes = outcome_counts(&fresh);
-        rotation.add(fresh.url());
+        rotation.add(
+            usize::from(rolling.rolling_replicas) + usize::from(i),
+            fresh.url(),
+        );
         replicas.push_back(fresh);
         let old = replicas
             .pop_front()
@@ -587,6 +660,23 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
                 outcomes_line(&r.replacements)
             );
         }
+        for r in &runs {
+            let per: Vec<String> = r
+                .accuracy
+                .iter()
+                .map(|a| {
+                    format!(
+                        "#{} {} req {:.1}% hit, over {} under {}",
+                        a.replica,
+                        a.requests,
+                        a.hit_rate * 100.0,
+                        a.over_predicted,
+                        a.under_predicted
+                    )
+                })
+                .collect();
+            println!("{} per replica: {}", r.mode.label(), per.join(" | "));
+        }
         println!("chart: {}", args.rolling.chart_out.display());
     }
     if runs.iter().any(|r| r.failures > 0) {
@@ -624,6 +714,13 @@ fn run_json(r: &RolloutRun) -> Value {
         "rollout_hit_rate": r.rollout_hit_rate,
         "max_window_ttft_p90_ms": r.max_ttft_p90_ms,
         "wall_s": r.wall_s,
+        "replicas": r.accuracy.iter().map(|a| json!({
+            "replica": a.replica,
+            "requests": a.requests,
+            "hit_rate": a.hit_rate,
+            "over_predicted": a.over_predicted,
+            "under_predicted": a.under_predicted,
+        })).collect::<Vec<_>>(),
         "replacements": r.replacements.iter().map(|x| json!({
             "started_ms": x.started_ms,
             "ready_ms": x.ready_ms,
@@ -649,6 +746,8 @@ mod tests {
             ttft_ms,
             prompt_tokens: prompt,
             cached_tokens: cached,
+            replica: 0,
+            predicted_tokens: None,
         }
     }
 
@@ -762,14 +861,44 @@ mod tests {
     }
 
     #[test]
+    fn matched_blocks_is_read_from_the_decision_header_and_absent_otherwise() {
+        let h = "policy=cache_aware;reason=cost;worker=1;url=http://x;dp_rank=0;matched_blocks=7;prompt_tokens=130";
+        assert_eq!(matched_blocks(h), Some(7));
+        assert_eq!(matched_blocks("policy=round_robin"), None);
+        assert_eq!(matched_blocks("matched_blocks=x"), None);
+    }
+
+    #[test]
+    fn accuracy_counts_a_miss_only_when_prediction_and_report_differ_by_a_block() {
+        let with = |replica, predicted, cached| TimedSample {
+            replica,
+            predicted_tokens: Some(predicted),
+            ..sample(0.0, 1.0, 200, cached)
+        };
+        let s = [
+            with(0, 160, 160), // exact
+            with(0, 160, 150), // within a block: not counted
+            with(0, 160, 144), // one block over
+            with(1, 0, 32),    // two blocks under
+            with(1, 32, 32),
+        ];
+        let a = accuracy(&s, 16);
+        assert_eq!(a.len(), 2);
+        assert_eq!((a[0].replica, a[0].requests), (0, 3));
+        assert_eq!((a[0].over_predicted, a[0].under_predicted), (1, 0));
+        assert_eq!((a[1].over_predicted, a[1].under_predicted), (0, 1));
+        assert!((a[1].hit_rate - 64.0 / 400.0).abs() < 1e-9);
+    }
+
+    #[test]
     fn rotation_round_robins_over_the_replicas_in_it_and_forgets_a_removed_one() {
         let r = Rotation::default();
         assert_eq!(r.pick(), None);
-        r.add("a".into());
-        r.add("b".into());
-        let picks: Vec<_> = (0..4).filter_map(|_| r.pick()).collect();
+        r.add(0, "a".into());
+        r.add(1, "b".into());
+        let picks: Vec<_> = (0..4).filter_map(|_| r.pick()).map(|(_, u)| u).collect();
         assert_eq!(picks, ["a", "b", "a", "b"]);
         r.remove("a");
-        assert!((0..3).all(|_| r.pick().as_deref() == Some("b")));
+        assert!((0..3).all(|_| r.pick() == Some((1, "b".to_string()))));
     }
 }

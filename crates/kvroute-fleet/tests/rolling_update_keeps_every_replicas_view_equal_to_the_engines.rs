@@ -4,8 +4,10 @@
 //! keeps sending completions through the rotation. At the end every replica's view must equal
 //! the engines' caches, and no new replica may have settled a rank on anything but a proven
 //! graft: during a rollout the anchor's worst failure is a new replica inheriting an EMPTY index
-//! from another new replica and calling it warm. Most of the blocks are stored before the
-//! rollout and stay cached, so an empty graft would leave them missing from the final view.
+//! from another new replica and calling it warm. On the legacy-encoding engine most blocks are
+//! stored before the rollout and stay cached, so an empty graft would leave them missing from
+//! the final view; the SGLang engine's cache is small (`EVICTING_CAPACITY_BLOCKS`), so it evicts
+//! all the time and removals race with every export, hold and graft of the rollout.
 
 use std::sync::Arc;
 
@@ -18,6 +20,8 @@ const EVENT_PERIOD_MS: u64 = 10;
 const CLIENT_PERIOD_MS: u64 = 10;
 const PRELOAD_BATCHES: u64 = 60;
 const REPLICAS: usize = 3;
+/// Device blocks of the evicting engine's ranks: a dozen chains, so the driver's stores evict.
+const EVICTING_CAPACITY_BLOCKS: usize = 48;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_surge_only_rollout_under_traffic_ends_with_every_view_equal_to_the_engines() {
@@ -26,6 +30,7 @@ async fn a_surge_only_rollout_under_traffic_ends_with_every_view_equal_to_the_en
     fleet.sims.push(Arc::new(
         SimProcess::start(SimOptions {
             encoding: "sglang",
+            capacity_blocks: EVICTING_CAPACITY_BLOCKS,
             ..SimOptions::default()
         })
         .await,
