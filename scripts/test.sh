@@ -29,4 +29,7 @@ if [ -f "$root/deploy/kubernetes/validate.sh" ]; then
   "$root/deploy/kubernetes/validate.sh"
 fi
 
+step "soak, 2 minutes (one router, 16 engine ranks, 500 req/s, a fault every 5 s)"
+SOAK_SECONDS=120 SOAK_PROFILE=dev "$root/scripts/soak.sh"
+
 step "fuzz smoke (every cargo-fuzz target in fuzz/, fixed run counts; nightly)" && "$root/scripts/fuzz-smoke.sh"

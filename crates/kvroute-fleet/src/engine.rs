@@ -175,6 +175,25 @@ impl SimProcess {
         assert_eq!(status, 200, "POST {url}: {v}");
     }
 
+    /// Arms `requests` stalls of `stall_ms` on `engine` (`at` = `head` or `body`, see
+    /// `kvroute_sim::faults`).
+    pub async fn stall(&self, engine: usize, at: &str, requests: u64, stall_ms: u64) {
+        let url = format!("{}/control/stall", self.engines[engine]);
+        let (status, v) = post_json(
+            &url,
+            &json!({"at": at, "requests": requests, "stall_ms": stall_ms}),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(status, 200, "POST {url}: {v}");
+    }
+
+    /// `engine`'s fault counters from `/served_stats` (`head_stalls_applied`, ...).
+    pub async fn fault_counts(&self, engine: usize) -> Value {
+        let url = format!("{}/served_stats", self.engines[engine]);
+        get_json(&url).await.unwrap_or_else(|e| panic!("{e}"))["faults"].clone()
+    }
+
     /// An engine restart on one rank: empty cache, seq from 0, empty replay buffer.
     pub async fn restart_publisher(&self, engine: usize, rank: usize) {
         let url = format!("{}/control/restart_publisher", self.engines[engine]);

@@ -8,7 +8,8 @@
 //! canonical, sorted comparison of indexes with the engines' true caches), [`fleet`] (the set of
 //! processes, convergence and the surge-only rolling update), [`traffic`] (the event driver and
 //! the client), [`proxy`] (a TCP proxy that can be cut: the partition), [`fakes`] (siblings that
-//! misbehave), [`wait`] (the one way to wait).
+//! misbehave), [`wait`] (the one way to wait), [`soak`] (a long run under load and faults, with
+//! end-of-run checks; the `kvroute-soak` binary).
 //!
 //! # Anti-flake rules
 //!
@@ -46,6 +47,7 @@ pub mod http;
 pub mod logs;
 pub mod proxy;
 pub mod router;
+pub mod soak;
 pub mod traffic;
 pub mod view;
 pub mod wait;

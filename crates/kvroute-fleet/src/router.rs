@@ -415,6 +415,11 @@ impl RouterProcess {
         assert_eq!(status, 201, "POST {url}: {v}");
     }
 
+    /// The process id while the replica runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Sends SIGTERM (the kubelet's stop signal): the replica drains and exits.
     pub fn sigterm(&self) {
         if let Some(c) = &self.child {

@@ -92,6 +92,8 @@ pub struct Engine {
     pub ranks: Vec<Arc<Rank>>,
     pub ports: Mutex<EnginePorts>,
     pub cancel: CancellationToken,
+    /// Injected stalls (`/control/stall`).
+    pub faults: crate::faults::Faults,
     next_rank: AtomicUsize,
     next_request_id: AtomicU64,
 }
@@ -211,6 +213,7 @@ impl Engine {
                 load_base,
             }),
             cancel: cancel.clone(),
+            faults: Default::default(),
             next_rank: AtomicUsize::new(0),
             next_request_id: AtomicU64::new(0),
         });

@@ -116,6 +116,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
             .route("/control/cache", get(control_cache))
             .route("/control/flush", post(control_flush))
             .route("/control/drop_next", post(control_drop_next))
+            .route("/control/stall", post(control_stall))
             .route(
                 "/control/restart_publisher",
                 post(control_restart_publisher),
@@ -556,6 +557,11 @@ fn run_streaming(engine: Arc<Engine>, job: Job) -> Response {
             if tx.send(chunk.to_string()).await.is_err() {
                 return;
             }
+            if i == 0
+                && let Some(stall) = engine.faults.take_body()
+            {
+                tokio::time::sleep(stall).await;
+            }
         }
         drop(pre.slot);
         if job.include_usage && job.kind != Kind::Generate {
@@ -583,6 +589,9 @@ fn run_streaming(engine: Arc<Engine>, job: Job) -> Response {
 }
 
 async fn dispatch(engine: Arc<Engine>, job: Job, stream: bool) -> Response {
+    if let Some(stall) = engine.faults.take_head() {
+        tokio::time::sleep(stall).await;
+    }
     if stream {
         run_streaming(engine, job)
     } else {
@@ -754,7 +763,7 @@ async fn served_stats(State(engine): State<Arc<Engine>>) -> axum::Json<Value> {
             })
         })
         .collect();
-    axum::Json(json!({"engine": engine.index, "ranks": ranks}))
+    axum::Json(json!({"engine": engine.index, "ranks": ranks, "faults": engine.faults.counts()}))
 }
 
 async fn generate(
@@ -989,6 +998,23 @@ async fn control_drop_next(
     let rank = control_rank(&engine, req.dp_rank)?;
     engine.drop_next(rank, req.batches);
     Ok(axum::Json(json!({"dp_rank": rank, "batches": req.batches})))
+}
+
+#[derive(Debug, Deserialize)]
+struct StallBody {
+    at: crate::faults::StallAt,
+    requests: u64,
+    stall_ms: u64,
+}
+
+/// Arms `requests` stalls of `stall_ms` (see [`crate::faults`]).
+async fn control_stall(
+    State(engine): State<Arc<Engine>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<axum::Json<Value>, ApiError> {
+    let req: StallBody = parse_control(body)?;
+    engine.faults.arm(req.at, req.requests, req.stall_ms);
+    Ok(axum::Json(json!({"faults": engine.faults.counts()})))
 }
 
 async fn control_restart_publisher(

@@ -25,6 +25,7 @@
 pub mod cache;
 pub mod config;
 pub mod engine;
+pub mod faults;
 pub mod http;
 pub mod publish;
 pub mod tokenizer;

@@ -505,3 +505,79 @@ async fn control_store_caches_chains_and_reports_the_published_seq() {
     assert_eq!(status, 400);
     fleet.shutdown().await;
 }
+
+/// `/control/stall` at `body`: a streamed answer's first chunk arrives, then nothing for at
+/// least the stall, then the rest; at `head`: nothing at all for at least the stall. Each fires
+/// once and `/served_stats` counts it. (Lower bounds only: a sleep never ends early.)
+#[tokio::test]
+async fn armed_stalls_hold_a_stream_after_its_first_chunk_or_before_its_head_once_each() {
+    use futures::StreamExt;
+    const STALL_MS: u64 = 300;
+    let fleet = fleet(SimConfig::for_tests()).await;
+    let e = &fleet.engines[0];
+    let req =
+        json!({"model": "kvroute-sim", "prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": true});
+    let (status, _) = post(
+        e,
+        "/control/stall",
+        &json!({"at": "body", "requests": 1, "stall_ms": STALL_MS}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let resp = client()
+        .post(format!("{}/v1/completions", e.http_url()))
+        .json(&req)
+        .send()
+        .await
+        .expect("stream starts");
+    assert_eq!(resp.status(), 200);
+    let mut chunks = resp.bytes_stream();
+    let mut arrivals = Vec::new();
+    let started = std::time::Instant::now();
+    while let Some(c) = chunks.next().await {
+        c.expect("chunk");
+        arrivals.push(started.elapsed());
+    }
+    let widest_gap = arrivals
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .expect("more than one chunk");
+    assert!(
+        widest_gap >= std::time::Duration::from_millis(STALL_MS),
+        "no pause of {STALL_MS} ms between chunks: {arrivals:?}"
+    );
+    let (_, stats) = get(e, "/served_stats").await;
+    assert_eq!(stats["faults"]["body_stalls_applied"], 1, "{stats}");
+
+    let (status, _) = post(
+        e,
+        "/control/stall",
+        &json!({"at": "head", "requests": 1, "stall_ms": STALL_MS}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let started = std::time::Instant::now();
+    let (status, _) = post(
+        e,
+        "/v1/completions",
+        &json!({"model": "kvroute-sim", "prompt": [1, 2], "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(started.elapsed() >= std::time::Duration::from_millis(STALL_MS));
+    let (status, _) = post(
+        e,
+        "/v1/completions",
+        &json!({"model": "kvroute-sim", "prompt": [1, 2], "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (_, stats) = get(e, "/served_stats").await;
+    assert_eq!(
+        stats["faults"]["head_stalls_applied"], 1,
+        "the second request took no stall: {stats}"
+    );
+    assert_eq!(stats["faults"]["head_stalls_armed"], 0, "{stats}");
+    fleet.shutdown().await;
+}
