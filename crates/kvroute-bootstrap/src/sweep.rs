@@ -12,7 +12,7 @@
 //! * [`Sweep`] runs passes every [`PASS_INTERVAL_MS`] until a verdict: `found`, `no_peers`,
 //!   `fleet_cold`, `timed_out` or `ranks_resolved`. A body that vets but covers none of the
 //!   pending ranks does not end it; a rank settles `empty` mid-sweep once every candidate names
-//!   it in `empty_ranks`.
+//!   it in `empty_ranks` (a candidate that is itself cold or not ready abstains).
 //! * [`Coordinator`] keeps one fleet-wide sweep in flight (one body carries every rank, so N
 //!   engines discovered together cost one fetch, not N), folds ranks discovered meanwhile into
 //!   it, makes a gap retry whose floor is newer than the in-flight request wait for its own
@@ -691,14 +691,24 @@ impl<P: Ord + Clone> Sweep<P> {
         out
     }
 
-    /// Settles the obligations whose rank every non-rejected candidate names empty.
+    /// Settles the obligations whose rank every non-rejected candidate names empty. A
+    /// candidate whose latest answer was cold (not ready, an empty index, no snapshot) abstains:
+    /// it has no view of the rank to testify with, and counting its silence as a veto made a
+    /// replica of a staggered whole-fleet restart wait its full deadline on a fresh engine
+    /// while its booting siblings said nothing. A silent candidate (unreachable, busy, a damaged
+    /// body) still vetoes: it may be the one replica that holds the rank. At least one vetted
+    /// answer must name the rank, so abstention alone never settles anything.
     fn settle_unanimous(&mut self, candidates: &[P], book: &PeerBook<P>, out: &mut Progress<P>) {
-        let witnesses: Vec<&Testimony> = candidates
+        let answered: Option<Vec<&Testimony>> = candidates
             .iter()
             .filter(|p| !book.is_rejected(p))
             .map(|p| self.testimony.get(p))
-            .collect::<Option<Vec<_>>>()
-            .unwrap_or_default();
+            .collect();
+        let witnesses: Vec<&Testimony> = answered
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|t| t.standing != Standing::Cold)
+            .collect();
         if witnesses.is_empty() {
             return;
         }

@@ -540,6 +540,62 @@ fn a_silent_peer_vetoes_empty_and_a_rejected_one_does_not() {
 }
 
 #[test]
+fn a_not_ready_sibling_abstains_so_a_ready_one_alone_settles_a_rank_empty() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[0, 1], 0, 10_000);
+    let peers = ["a", "b"];
+    s.poll(&view(&peers), &book, 1_000);
+    s.on_answer(
+        &order_for(Some(&s), "b"),
+        rejected(Rejection::NotReady, 1_005),
+        &view(&peers),
+        &mut book,
+        1_005,
+    );
+    let p = s.on_answer(
+        &order_for(Some(&s), "a"),
+        body(&[5], &[1], 1_010),
+        &view(&peers),
+        &mut book,
+        1_010,
+    );
+    assert_eq!(
+        p.settled_empty,
+        vec![ob(1, 1, 0)],
+        "b, still booting, abstains"
+    );
+    assert!(s.holds(RankId(0), kvroute_bootstrap::Incarnation(1)));
+}
+
+#[test]
+fn siblings_that_are_all_cold_or_not_ready_settle_nothing_empty() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[1], 0, 10_000);
+    let peers = ["a", "b"];
+    s.poll(&view(&peers), &book, 1_000);
+    let p = s.on_answer(
+        &order_for(Some(&s), "a"),
+        rejected(Rejection::NotReady, 1_005),
+        &view(&peers),
+        &mut book,
+        1_005,
+    );
+    assert!(p.settled_empty.is_empty());
+    let p = s.on_answer(
+        &order_for(Some(&s), "b"),
+        rejected(Rejection::Cold, 1_010),
+        &view(&peers),
+        &mut book,
+        1_010,
+    );
+    assert!(
+        p.settled_empty.is_empty(),
+        "abstention alone settles nothing"
+    );
+    assert_eq!(p.verdict.map(|v| v.kind()), Some(VerdictKind::FleetCold));
+}
+
+#[test]
 fn a_failed_answer_erases_the_peers_earlier_empty_testimony() {
     let mut book = PeerBook::new(None);
     let mut s = sweep(&[0, 1], 0, 10_000);
