@@ -10,8 +10,25 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::rolling::{RolloutMode, RolloutRun};
+/// One run as the chart draws it (built by `crate::rolling`, which owns the measurement; this
+/// module only draws, so it depends on nothing of the demo).
+#[derive(Debug, Clone)]
+pub struct ChartRun {
+    /// With peer bootstrap (blue) or without (red).
+    pub bootstrap: bool,
+    /// Per window: (start, seconds; hit rate, percent; p90 TTFT, ms).
+    pub windows: Vec<(f64, f64, f64)>,
+    /// When each new replica joined the rotation, seconds.
+    pub joins_s: Vec<f64>,
+    pub steady_hit_pct: f64,
+    pub min_hit_pct: f64,
+    pub steady_ttft_p90_ms: f64,
+    pub max_ttft_p90_ms: f64,
+    pub wall_s: f64,
+}
 
+/// The font `--chart-font` defaults to (Debian's fonts-dejavu-core).
+pub const DEFAULT_CHART_FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 /// Canvas size in pixels (two stacked panels).
 const CHART_WIDTH_PX: u32 = 1200;
 const CHART_HEIGHT_PX: u32 = 820;
@@ -21,17 +38,19 @@ const CHART_FONT_MAX_BYTES: u64 = 32 * 1024 * 1024;
 const BOOTSTRAP_COLOUR: RGBColor = RGBColor(31, 119, 180);
 const COLD_COLOUR: RGBColor = RGBColor(214, 39, 40);
 
-fn colour(mode: RolloutMode) -> RGBColor {
-    match mode {
-        RolloutMode::Bootstrap => BOOTSTRAP_COLOUR,
-        RolloutMode::Cold => COLD_COLOUR,
+fn colour(bootstrap: bool) -> RGBColor {
+    if bootstrap {
+        BOOTSTRAP_COLOUR
+    } else {
+        COLD_COLOUR
     }
 }
 
-fn legend(mode: RolloutMode) -> &'static str {
-    match mode {
-        RolloutMode::Bootstrap => "with peer bootstrap",
-        RolloutMode::Cold => "bootstrap off (cold replicas)",
+fn legend(bootstrap: bool) -> &'static str {
+    if bootstrap {
+        "with peer bootstrap"
+    } else {
+        "bootstrap off (cold replicas)"
     }
 }
 
@@ -55,7 +74,7 @@ fn register_font(path: &Path) -> Result<(), String> {
 }
 
 /// Draws both runs into `out` (creating its directory).
-pub fn draw_rolling_update(out: &Path, font: &Path, runs: &[RolloutRun]) -> Result<(), String> {
+pub fn draw_rolling_update(out: &Path, font: &Path, runs: &[ChartRun]) -> Result<(), String> {
     register_font(font)?;
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -63,7 +82,7 @@ pub fn draw_rolling_update(out: &Path, font: &Path, runs: &[RolloutRun]) -> Resu
     draw(out, runs).map_err(|e| format!("drawing {}: {e}", out.display()))
 }
 
-fn draw(out: &Path, runs: &[RolloutRun]) -> Result<(), Box<dyn std::error::Error>> {
+fn draw(out: &Path, runs: &[ChartRun]) -> Result<(), Box<dyn std::error::Error>> {
     let root = BitMapBackend::new(out, (CHART_WIDTH_PX, CHART_HEIGHT_PX)).into_drawing_area();
     root.fill(&WHITE)?;
     let (top, bottom) = root.split_vertically(CHART_HEIGHT_PX / 2);
@@ -71,14 +90,14 @@ fn draw(out: &Path, runs: &[RolloutRun]) -> Result<(), Box<dyn std::error::Error
 
     let hit_floor = runs
         .iter()
-        .flat_map(|r| r.windows.iter().map(|w| w.hit_rate * 100.0))
+        .flat_map(|r| r.windows.iter().map(|w| w.1))
         .fold(100.0_f64, f64::min);
     let hit_min = ((hit_floor - 5.0) / 10.0).floor().max(0.0) * 10.0;
     let mut hit = ChartBuilder::on(&top)
         .caption(
             format!(
                 "Rolling update of {} router replicas: cache hit rate per window",
-                runs.iter().map(|r| r.replacements.len()).max().unwrap_or(0)
+                runs.iter().map(|r| r.joins_s.len()).max().unwrap_or(0)
             ),
             ("sans-serif", 22),
         )
@@ -92,17 +111,17 @@ fn draw(out: &Path, runs: &[RolloutRun]) -> Result<(), Box<dyn std::error::Error
         .label_style(("sans-serif", 14))
         .draw()?;
     for r in runs {
-        let c = colour(r.mode);
+        let c = colour(r.bootstrap);
         draw_markers(&mut hit, r, c, hit_min, 100.0)?;
         hit.draw_series(LineSeries::new(
-            r.windows.iter().map(|w| (w.start_s, w.hit_rate * 100.0)),
+            r.windows.iter().map(|w| (w.0, w.1)),
             c.stroke_width(2),
         ))?
         .label(format!(
             "{} (steady {:.1}%, lowest window {:.1}%)",
-            legend(r.mode),
-            r.steady_hit_rate * 100.0,
-            r.min_hit_rate * 100.0
+            legend(r.bootstrap),
+            r.steady_hit_pct,
+            r.min_hit_pct
         ))
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
     }
@@ -115,7 +134,7 @@ fn draw(out: &Path, runs: &[RolloutRun]) -> Result<(), Box<dyn std::error::Error
 
     let ttft_max = runs
         .iter()
-        .flat_map(|r| r.windows.iter().map(|w| w.ttft_p90_ms))
+        .flat_map(|r| r.windows.iter().map(|w| w.2))
         .fold(1.0_f64, f64::max)
         * 1.1;
     let mut ttft = ChartBuilder::on(&bottom)
@@ -133,15 +152,15 @@ fn draw(out: &Path, runs: &[RolloutRun]) -> Result<(), Box<dyn std::error::Error
         .label_style(("sans-serif", 14))
         .draw()?;
     for r in runs {
-        let c = colour(r.mode);
+        let c = colour(r.bootstrap);
         draw_markers(&mut ttft, r, c, 0.0, ttft_max)?;
         ttft.draw_series(LineSeries::new(
-            r.windows.iter().map(|w| (w.start_s, w.ttft_p90_ms)),
+            r.windows.iter().map(|w| (w.0, w.2)),
             c.stroke_width(2),
         ))?
         .label(format!(
             "{} (steady {:.0} ms, worst window {:.0} ms)",
-            legend(r.mode),
+            legend(r.bootstrap),
             r.steady_ttft_p90_ms,
             r.max_ttft_p90_ms
         ))
@@ -166,49 +185,35 @@ type Panel<'a, 'b> = ChartContext<
 /// A thin vertical line where each new replica joined the rotation.
 fn draw_markers(
     panel: &mut Panel<'_, '_>,
-    run: &RolloutRun,
+    run: &ChartRun,
     c: RGBColor,
     y_min: f64,
     y_max: f64,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    panel.draw_series(run.replacements.iter().map(|r| {
-        let x = r.ready_ms / 1000.0;
-        PathElement::new(vec![(x, y_min), (x, y_max)], c.mix(0.6).stroke_width(2))
-    }))?;
+    panel.draw_series(
+        run.joins_s
+            .iter()
+            .map(|&x| PathElement::new(vec![(x, y_min), (x, y_max)], c.mix(0.6).stroke_width(2))),
+    )?;
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rolling::{Replacement, Window};
 
-    fn run(mode: RolloutMode, hit: f64) -> RolloutRun {
-        RolloutRun {
-            mode,
+    fn run(bootstrap: bool, hit_pct: f64) -> ChartRun {
+        ChartRun {
+            bootstrap,
             windows: (0..10)
-                .map(|i| Window {
-                    start_s: f64::from(i),
-                    requests: 10,
-                    hit_rate: hit,
-                    ttft_p90_ms: 40.0 + f64::from(i),
-                })
+                .map(|i| (f64::from(i), hit_pct, 40.0 + f64::from(i)))
                 .collect(),
-            replacements: vec![Replacement {
-                started_ms: 4_000.0,
-                ready_ms: 4_100.0,
-                old_removed_ms: 4_100.0,
-                outcomes: vec![],
-            }],
-            requests: 100,
-            failures: 0,
-            steady_hit_rate: hit,
+            joins_s: vec![4.1],
+            steady_hit_pct: hit_pct,
+            min_hit_pct: hit_pct,
             steady_ttft_p90_ms: 41.0,
-            min_hit_rate: hit,
             max_ttft_p90_ms: 49.0,
-            rollout_hit_rate: hit,
             wall_s: 10.0,
-            accuracy: vec![],
         }
     }
 
@@ -216,16 +221,13 @@ mod tests {
     fn chart_is_a_png_or_an_error_naming_the_missing_font() {
         let dir = std::env::temp_dir().join(format!("kvroute-chart-{}", std::process::id()));
         let out = dir.join("nested").join("chart.png");
-        let runs = [
-            run(RolloutMode::Bootstrap, 0.9),
-            run(RolloutMode::Cold, 0.7),
-        ];
+        let runs = [run(true, 90.0), run(false, 70.0)];
         let missing = Path::new("/nonexistent/kvroute-test-font.ttf");
         let err = draw_rolling_update(&out, missing, &runs).expect_err("no font, no chart");
         assert!(err.contains("/nonexistent/kvroute-test-font.ttf"), "{err}");
-        let font = crate::rolling::RollingArgs::default().chart_font;
+        let font = Path::new(DEFAULT_CHART_FONT);
         if font.exists() {
-            draw_rolling_update(&out, &font, &runs).expect("chart drawn");
+            draw_rolling_update(&out, font, &runs).expect("chart drawn");
             let png = std::fs::read(&out).expect("chart written");
             assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "not a PNG");
             assert!(

@@ -293,6 +293,47 @@ pub struct RunResult {
     pub wall: Duration,
     /// `None` when no engine counters were available (external mode without `--engine-urls`).
     pub balance: Option<Balance>,
+    /// How the router's predictions compared with the engines' reports (in-process
+    /// `cache_aware` rows; `None` where the router made none).
+    pub predictions: Option<PredictionCounts>,
+}
+
+/// Finished requests by how the index's predicted cached tokens compared with the engine's
+/// report (`kvroute_predictions_total`): within a block, a block or more over, under.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PredictionCounts {
+    pub exact: u64,
+    pub over: u64,
+    pub under: u64,
+}
+
+impl PredictionCounts {
+    pub fn total(&self) -> u64 {
+        self.exact + self.over + self.under
+    }
+
+    /// Reads a router's `kvroute_predictions_total` over every model and worker.
+    fn of(router: &kvroute::Router) -> Option<PredictionCounts> {
+        use prometheus::core::Collector;
+        let mut c = PredictionCounts::default();
+        for family in router.metrics.predictions.collect() {
+            for m in family.get_metric() {
+                let n = m.get_counter().get_value() as u64;
+                match m
+                    .get_label()
+                    .iter()
+                    .find(|l| l.name() == "result")
+                    .map(|l| l.value())
+                {
+                    Some("exact") => c.exact += n,
+                    Some("over") => c.over += n,
+                    Some("under") => c.under += n,
+                    _ => {}
+                }
+            }
+        }
+        (c.total() > 0).then_some(c)
+    }
 }
 
 /// An in-process row: which kvroute policy produced the [`RunResult`] it dereferences to (the
@@ -500,7 +541,12 @@ async fn drive(
 
 /// The row's figures from the client's samples (hit rate from the usage chunks, TTFT from the
 /// first chunk) and the engines' balance.
-fn summarize(label: String, driven: Driven, balance: Option<Balance>) -> RunResult {
+fn summarize(
+    label: String,
+    driven: Driven,
+    balance: Option<Balance>,
+    predictions: Option<PredictionCounts>,
+) -> RunResult {
     let samples = &driven.samples;
     let prompt: u64 = samples.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = samples.iter().map(|s| s.cached_tokens).sum();
@@ -528,6 +574,7 @@ fn summarize(label: String, driven: Driven, balance: Option<Balance>) -> RunResu
         throughput_rps: samples.len() as f64 / driven.wall.as_secs_f64(),
         wall: driven.wall,
         balance,
+        predictions,
     }
 }
 
@@ -626,7 +673,7 @@ pub async fn run_external(
         None => None,
         Some(before) => Some(read_served_stats(&http, engine_urls).await?.since(&before)),
     };
-    Ok(summarize(label.to_string(), driven, balance))
+    Ok(summarize(label.to_string(), driven, balance, None))
 }
 
 fn progress_bar(len: usize) -> Result<ProgressBar, String> {
@@ -684,6 +731,7 @@ async fn run_policy(
     let router = kvroute::serve(config).await.map_err(|e| e.to_string())?;
     wait_subscribed(&router.router, ENGINES * DP_SIZE).await?;
     let driven = drive(&router.url(), args, conversations, bar).await;
+    let predictions = PredictionCounts::of(&router.router);
     router.shutdown().await;
     let balance = fleet_balance(&fleet);
     fleet.shutdown().await;
@@ -691,7 +739,7 @@ async fn run_policy(
     Ok(PolicyResult {
         policy,
         oracle,
-        run: summarize(label.to_string(), driven?, Some(balance)),
+        run: summarize(label.to_string(), driven?, Some(balance), predictions),
     })
 }
 
@@ -798,6 +846,9 @@ pub fn run_json(r: &RunResult) -> Value {
         "throughput_rps": r.throughput_rps,
         "wall_s": r.wall.as_secs_f64(),
         "balance": balance,
+        "predictions": r.predictions.map(|p| json!({
+            "exact": p.exact, "over": p.over, "under": p.under,
+        })),
     })
 }
 
@@ -867,6 +918,19 @@ pub async fn run(args: DemoArgs) -> Result<(), String> {
             "cache_aware / oracle hit rate: {:.1}% (quality target >= 95%)",
             ratio * 100.0
         );
+    }
+    for r in results.iter().filter(|r| !r.oracle) {
+        if let Some(p) = r.predictions {
+            let pct = |n: u64| n as f64 * 100.0 / p.total() as f64;
+            println!(
+                "{} predictions against the engines' reported cached tokens: {:.1}% within a block, {:.1}% over, {:.1}% under ({} answers)",
+                r.name(),
+                pct(p.exact),
+                pct(p.over),
+                pct(p.under),
+                p.total()
+            );
+        }
     }
     println!(
         "total wall time {:.1} s",

@@ -80,10 +80,7 @@ pub struct RollingArgs {
     pub chart_out: std::path::PathBuf,
     /// TrueType font the chart's text is drawn with (read at run time, so the build needs no
     /// system font library).
-    #[arg(
-        long,
-        default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
-    )]
+    #[arg(long, default_value = crate::chart::DEFAULT_CHART_FONT)]
     pub chart_font: std::path::PathBuf,
 }
 
@@ -97,7 +94,7 @@ impl Default for RollingArgs {
             rolling_cooldown_ms: 10_000,
             rolling_window_ms: 2_000,
             chart_out: "docs/img/rolling-update.png".into(),
-            chart_font: "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into(),
+            chart_font: crate::chart::DEFAULT_CHART_FONT.into(),
         }
     }
 }
@@ -179,6 +176,28 @@ pub struct RolloutRun {
 }
 
 impl RolloutRun {
+    /// The run as the chart draws it.
+    pub fn chart(&self) -> crate::chart::ChartRun {
+        crate::chart::ChartRun {
+            bootstrap: self.mode == RolloutMode::Bootstrap,
+            windows: self
+                .windows
+                .iter()
+                .map(|w| (w.start_s, w.hit_rate * 100.0, w.ttft_p90_ms))
+                .collect(),
+            joins_s: self
+                .replacements
+                .iter()
+                .map(|r| r.ready_ms / 1000.0)
+                .collect(),
+            steady_hit_pct: self.steady_hit_rate * 100.0,
+            min_hit_pct: self.min_hit_rate * 100.0,
+            steady_ttft_p90_ms: self.steady_ttft_p90_ms,
+            max_ttft_p90_ms: self.max_ttft_p90_ms,
+            wall_s: self.wall_s,
+        }
+    }
+
     /// Steady hit rate minus the lowest window's, in percentage points.
     pub fn hit_rate_drop_points(&self) -> f64 {
         (self.steady_hit_rate - self.min_hit_rate) * 100.0
@@ -616,7 +635,12 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
     for mode in [RolloutMode::Bootstrap, RolloutMode::Cold] {
         runs.push(run_rollout(mode, args, &conversations).await?);
     }
-    crate::chart::draw_rolling_update(&args.rolling.chart_out, &args.rolling.chart_font, &runs)?;
+    let chart_runs: Vec<crate::chart::ChartRun> = runs.iter().map(RolloutRun::chart).collect();
+    crate::chart::draw_rolling_update(
+        &args.rolling.chart_out,
+        &args.rolling.chart_font,
+        &chart_runs,
+    )?;
     if args.json {
         println!(
             "{}",

@@ -111,6 +111,19 @@ pub struct ServeArgs {
     /// 0 disables.
     #[arg(long, env = "KVROUTE_PENDING_PREFIX_TTL_MS", default_value_t = DEFAULT_PENDING_PREFIX_TTL_MS)]
     pub pending_prefix_ttl_ms: u64,
+    /// Finished requests with an engine-reported cached-token count that the prediction check
+    /// looks back over, per model (0 turns the check off).
+    #[arg(long, env = "KVROUTE_PREDICTION_CHECK_WINDOW",
+          default_value_t = crate::routing::prediction::DEFAULT_PREDICTION_CHECK_WINDOW as u64,
+          value_parser = clap::value_parser!(u64).range(0..=crate::routing::prediction::PREDICTION_CHECK_WINDOW_MAX as u64))]
+    pub prediction_check_window: u64,
+    /// How far (a fraction of the larger) the predicted and the engine-reported cached tokens
+    /// of a model may disagree over the window before the router warns that its tokenization
+    /// likely differs from the engines'.
+    #[arg(long, env = "KVROUTE_PREDICTION_CHECK_TOLERANCE",
+          default_value_t = crate::routing::prediction::DEFAULT_PREDICTION_CHECK_TOLERANCE,
+          value_parser = parse_fraction)]
+    pub prediction_check_tolerance: f64,
     /// Add an `x-kvroute-decision` header to every routed response.
     #[arg(long, env = "KVROUTE_DECISION_HEADER")]
     pub decision_header: bool,
@@ -316,14 +329,37 @@ impl ServeArgs {
             },
             engine_discovery,
             pending_prefix_ttl_ms: self.pending_prefix_ttl_ms,
+            prediction_check: crate::routing::prediction::PredictionCheckConfig {
+                window_requests: self.prediction_check_window as usize,
+                tolerance: self.prediction_check_tolerance,
+            },
             ..RouterConfig::default()
         })
     }
 }
 
+/// A fraction in [0, 1].
+fn parse_fraction(raw: &str) -> Result<f64, String> {
+    let v: f64 = raw.parse().map_err(|e| format!("not a number: {e}"))?;
+    if !(0.0..=1.0).contains(&v) {
+        return Err("must be within 0..=1".into());
+    }
+    Ok(v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prediction_tolerance_outside_zero_to_one_or_not_a_number_is_refused() {
+        assert_eq!(parse_fraction("0.5"), Ok(0.5));
+        assert_eq!(parse_fraction("0"), Ok(0.0));
+        assert_eq!(parse_fraction("1"), Ok(1.0));
+        for bad in ["-0.1", "1.5", "NaN", "x"] {
+            assert!(parse_fraction(bad).is_err(), "{bad} accepted");
+        }
+    }
 
     #[test]
     fn worker_spec_splits_a_model_suffix_but_keeps_plain_urls_whole() {

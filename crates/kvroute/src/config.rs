@@ -124,6 +124,8 @@ pub struct RouterConfig {
     /// How long a routed request's blocks count as pending on the chosen rank before its KV
     /// events confirm them (see [`crate::routing::pending`]); 0 disables pending prefixes.
     pub pending_prefix_ttl_ms: u64,
+    /// The prediction check (`--prediction-check-window`, `--prediction-check-tolerance`).
+    pub prediction_check: crate::routing::prediction::PredictionCheckConfig,
 }
 
 impl RouterConfig {
@@ -176,6 +178,7 @@ impl Default for RouterConfig {
             engine_discovery: None,
             prefix_oracle: None,
             pending_prefix_ttl_ms: DEFAULT_PENDING_PREFIX_TTL_MS,
+            prediction_check: Default::default(),
         }
     }
 }

@@ -116,7 +116,18 @@ pub(super) async fn list_workers(State(s): State<AppState>) -> Response {
         .iter()
         .map(|w| worker_json(&s.router, w))
         .collect();
-    axum::Json(json!({"workers": workers})).into_response()
+    let checks: Vec<Value> = s
+        .router
+        .predictions
+        .states()
+        .into_iter()
+        .map(|c| {
+            json!({"model": c.model, "mismatch": c.mismatch.map(|m| m.label()),
+                "window_requests": c.requests, "predicted_cached_tokens": c.predicted_tokens,
+                "reported_cached_tokens": c.reported_tokens})
+        })
+        .collect();
+    axum::Json(json!({"workers": workers, "prediction_checks": checks})).into_response()
 }
 
 pub(super) async fn add_worker(State(s): State<AppState>, body: Body) -> Response {

@@ -24,6 +24,13 @@ pub struct Metrics {
     /// Client connections closed by the router, by reason: `cap` (answered 503 past the cap),
     /// `idle`, `head_timeout` and `body_timeout` (answered 408), `write_timeout`.
     pub client_connections_closed: IntCounterVec,
+    /// Predicted minus engine-reported cached tokens of each finished request (cache_aware).
+    pub prediction_error_tokens: HistogramVec,
+    /// Finished requests by how their prediction compared: `exact`, `over`, `under`.
+    pub predictions: IntCounterVec,
+    /// 1 while a model's predictions persistently disagree with its engines' reports, by
+    /// direction (`over`, `under`).
+    pub prediction_mismatch: IntGaugeVec,
 }
 
 impl Metrics {
@@ -114,6 +121,34 @@ impl Metrics {
             ),
             &["reason"],
         )?;
+        let prediction_error_tokens = HistogramVec::new(
+            HistogramOpts::new(
+                "kvroute_prediction_error_tokens",
+                "Predicted minus engine-reported cached tokens per finished request",
+            )
+            .buckets(vec![
+                -4096.0, -1024.0, -256.0, -64.0, -16.0, -1.0, 0.0, 15.0, 63.0, 255.0, 1023.0,
+                4095.0,
+            ]),
+            &["model"],
+        )?;
+        let predictions = IntCounterVec::new(
+            Opts::new(
+                "kvroute_predictions_total",
+                "Finished requests by prediction against the engine's report (a block or more off: over / under)",
+            ),
+            &["model", "worker", "result"],
+        )?;
+        let prediction_mismatch = IntGaugeVec::new(
+            Opts::new(
+                "kvroute_prediction_mismatch",
+                "1 while a model's predicted and reported cached tokens disagree beyond the tolerance",
+            ),
+            &["model", "direction"],
+        )?;
+        registry.register(Box::new(prediction_error_tokens.clone()))?;
+        registry.register(Box::new(predictions.clone()))?;
+        registry.register(Box::new(prediction_mismatch.clone()))?;
         registry.register(Box::new(data_plane_connections.clone()))?;
         registry.register(Box::new(client_connections_open.clone()))?;
         registry.register(Box::new(client_connections_closed.clone()))?;
@@ -130,6 +165,9 @@ impl Metrics {
             data_plane_connections,
             client_connections_open,
             client_connections_closed,
+            prediction_error_tokens,
+            predictions,
+            prediction_mismatch,
         })
     }
 

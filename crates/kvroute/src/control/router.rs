@@ -48,6 +48,8 @@ pub struct Router {
     /// Peer bootstrap of the index from a warm sibling (a peer source and cache_aware); its
     /// task is started by `serve` before the first worker registers.
     pub bootstrap: Option<Arc<Bootstrap>>,
+    /// Predicted against reported cached tokens, per model.
+    pub predictions: crate::routing::prediction::PredictionChecks,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -103,6 +105,7 @@ impl Router {
             .map_err(|e| e.to_string())?,
             policy: Policy::new(config.policy, config.weights, config.rng_seed),
             registry: Registry::new(config.prompt_tokens_max),
+            predictions: crate::routing::prediction::PredictionChecks::new(config.prediction_check),
             tokenizers: TokenizerSet::default(),
             shutdown: CancellationToken::new(),
             metrics,

@@ -87,10 +87,90 @@ impl Drop for LoadGuard {
     }
 }
 
-/// The engine's body, passed through piece by piece, carrying the load guard.
+/// The engine's body, passed through piece by piece, carrying the load guard and, on a
+/// cache_aware route, the prediction probe.
 pub struct TrackedBody {
     inner: UpstreamBody,
     guard: Option<LoadGuard>,
+    probe: Option<Box<PredictionProbe>>,
+}
+
+/// What a finished answer is checked against (see [`crate::routing::prediction`]): the depth
+/// the index predicted for the chosen rank, and the engine's `cached_tokens` read from the body as it
+/// passes. Boxed, so a route without it costs the body one pointer.
+pub struct PredictionProbe {
+    router: Arc<Router>,
+    model: String,
+    worker_url: String,
+    block_size: usize,
+    predicted_tokens: u64,
+    scanner: crate::routing::prediction::CachedTokensScanner,
+}
+
+impl PredictionProbe {
+    /// The body ended: record the comparison when the engine reported a count (an answer
+    /// without one, e.g. a stream without a usage chunk, says nothing).
+    fn finish(self) {
+        let Some(reported) = self.scanner.last() else {
+            return;
+        };
+        use crate::routing::prediction::{CheckTransition, PredictionResult};
+        let metrics = &self.router.metrics;
+        let result =
+            PredictionResult::classify(self.predicted_tokens, reported, self.block_size as u64);
+        metrics
+            .predictions
+            .with_label_values(&[&self.model, &self.worker_url, result.label()])
+            .inc();
+        metrics
+            .prediction_error_tokens
+            .with_label_values(&[&self.model])
+            .observe(self.predicted_tokens as f64 - reported as f64);
+        let transition = self.router.predictions.record(
+            &self.model,
+            self.block_size,
+            self.predicted_tokens,
+            reported,
+        );
+        match transition {
+            Some(CheckTransition::Raised {
+                direction,
+                predicted,
+                reported,
+            }) => {
+                metrics
+                    .prediction_mismatch
+                    .with_label_values(&[&self.model, direction.label()])
+                    .set(1);
+                tracing::warn!(
+                    model = %self.model,
+                    direction = direction.label(),
+                    predicted_cached_tokens = predicted,
+                    reported_cached_tokens = reported,
+                    window_requests = self.router.config.prediction_check.window_requests,
+                    "the engines' reported cached tokens disagree with kvroute's predictions: the router's token ids for these prompts likely differ from the engines' (another tokenizer or chat template, a BOS token added on one side only, a LoRA adapter or cache salt the engine keys its cache by, or another block size); check --tokenizer-path / --model-tokenizer against the engines' models"
+                );
+            }
+            Some(CheckTransition::Cleared {
+                predicted,
+                reported,
+            }) => {
+                for d in ["over", "under"] {
+                    metrics
+                        .prediction_mismatch
+                        .with_label_values(&[&self.model, d])
+                        .set(0);
+                }
+                tracing::info!(
+                    model = %self.model,
+                    predicted_cached_tokens = predicted,
+                    reported_cached_tokens = reported,
+                    "kvroute's predictions agree with the engines' reports again"
+                );
+            }
+            None => {}
+        }
+    }
 }
 
 impl TrackedBody {
@@ -108,15 +188,31 @@ impl TrackedBody {
     ) -> Poll<Result<Option<Bytes>, UpstreamError>> {
         let polled = self.inner.poll_chunk(cx);
         match &polled {
-            Poll::Ready(Ok(Some(_))) => {
+            Poll::Ready(Ok(Some(piece))) => {
                 if let Some(g) = self.guard.as_mut() {
                     g.prefill_done();
                 }
+                if let Some(p) = self.probe.as_mut() {
+                    p.scanner.feed(piece);
+                }
                 if self.inner.is_done() {
                     self.guard = None;
+                    if let Some(p) = self.probe.take() {
+                        p.finish();
+                    }
                 }
             }
-            Poll::Ready(Ok(None)) | Poll::Ready(Err(_)) => self.guard = None,
+            Poll::Ready(Ok(None)) => {
+                self.guard = None;
+                if let Some(p) = self.probe.take() {
+                    p.finish();
+                }
+            }
+            // A body cut short is not compared: its count, if any, may not be the final one.
+            Poll::Ready(Err(_)) => {
+                self.guard = None;
+                self.probe = None;
+            }
             Poll::Pending => {}
         }
         polled
@@ -394,6 +490,32 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Routed, A
                     .config
                     .decision_header
                     .then(|| plan.header_value(router.policy.kind.as_str(), idx));
+                // Only answers to indexed (cache_aware) plans carry a prediction worth checking,
+                // and only successful ones report a count.
+                let probe = (plan.indexed
+                    && status == 200
+                    && router.config.prediction_check.window_requests > 0)
+                    .then(|| {
+                        // The depth the INDEX vouches for (the engines' own events): pending
+                        // blocks are the router's own guesses, and counting them would make a
+                        // router that hashes other tokens than the engine look right (its
+                        // pending entries match its own next requests).
+                        let block_size = plan.model.block_size;
+                        let indexed_blocks = cand
+                            .input
+                            .matched_blocks
+                            .saturating_sub(cand.input.pending_blocks);
+                        let predicted = (u64::from(indexed_blocks) * block_size as u64)
+                            .min(plan.prompt_tokens as u64);
+                        Box::new(PredictionProbe {
+                            router: router.clone(),
+                            model: plan.model.name.clone(),
+                            worker_url: worker.url.clone(),
+                            block_size,
+                            predicted_tokens: predicted,
+                            scanner: Default::default(),
+                        })
+                    });
                 return Ok(Routed {
                     status,
                     content_type: resp.content_type,
@@ -401,6 +523,7 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Routed, A
                     body: TrackedBody {
                         inner: resp.body,
                         guard: Some(guard),
+                        probe,
                     },
                 });
             }
