@@ -23,11 +23,16 @@ struct Cli {
     log_format: kvroute::cli::LogFormat,
 }
 
-/// The demo prints a table; router logs would drown it, so only warnings are shown by default.
+/// The demo prints a table (or JSON) on stdout; router logs would drown it, so only warnings
+/// are shown by default, on stderr, coloured only on a terminal.
 fn init_logging_quiet(format: kvroute::cli::LogFormat) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     match format {
         kvroute::cli::LogFormat::Text => builder.init(),
         kvroute::cli::LogFormat::Json => builder.json().init(),

@@ -148,7 +148,7 @@ impl PredictionProbe {
                     predicted_cached_tokens = predicted,
                     reported_cached_tokens = reported,
                     window_requests = self.router.config.prediction_check.window_requests,
-                    "the engines' reported cached tokens disagree with kvroute's predictions: the router's token ids for these prompts likely differ from the engines' (another tokenizer or chat template, a BOS token added on one side only, a LoRA adapter or cache salt the engine keys its cache by, or another block size); check --tokenizer-path / --model-tokenizer against the engines' models"
+                    "the engines' reported cached tokens disagree with kvroute's predictions: the router's token ids for these prompts likely differ from the engines' (another tokenizer or chat template, a BOS token added on one side only, a LoRA adapter or cache salt the engine keys its cache by, or another block size), or this replica's index lacks what the engines cached before it subscribed (a replica started without peer bootstrap only sees blocks stored after it); check --tokenizer-path / --model-tokenizer against the engines' models, and the bootstrap outcomes on /workers"
                 );
             }
             Some(CheckTransition::Cleared {
