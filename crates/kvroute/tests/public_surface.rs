@@ -595,3 +595,53 @@ async fn both_servers_send_a_date_and_refuse_an_http_1_1_request_without_host() 
     router.shutdown().await;
     fleet.shutdown().await;
 }
+
+/// While an answer is pending, bytes a client pipelines behind its request are kept for the
+/// next request only up to `PIPELINED_BYTES_MAX`; past it the router stops reading, so the
+/// client's writes stall on full socket buffers instead of growing the router's memory. The
+/// engine holds the first answer (an armed head stall) so the window stays open. Without the
+/// bound the router would read all 64 MB at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_pipelined_behind_a_pending_request_are_read_only_up_to_their_bound() {
+    const PIPELINED_MB: usize = 64;
+    const WRITE_WINDOW: Duration = Duration::from_secs(3);
+    let fleet = fleet(1, 1, "m").await;
+    let router = router_with(router_config(&urls(&fleet))).await;
+    wait_subscribed(&router.url(), 1).await;
+    let (status, _) = {
+        let r = client()
+            .post(format!("{}/control/stall", fleet.engines[0].http_url()))
+            .json(&json!({"at": "head", "requests": 1, "stall_ms": 20_000}))
+            .send()
+            .await
+            .expect("stall armed");
+        (r.status().as_u16(), ())
+    };
+    assert_eq!(status, 200);
+    let body = json!({"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 1}).to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = TcpStream::connect(router.addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let chunk = vec![b'a'; 64 * 1024];
+    let mut written = 0usize;
+    let started = Instant::now();
+    while written < PIPELINED_MB * 1024 * 1024 {
+        let left = WRITE_WINDOW.saturating_sub(started.elapsed());
+        match tokio::time::timeout(left, stream.write(&chunk)).await {
+            Ok(Ok(n)) if n > 0 => written += n,
+            Ok(other) => panic!("the router closed or failed the connection: {other:?}"),
+            Err(_) => break,
+        }
+    }
+    // What loopback socket buffers absorb (a few MB each way) plus the bound, far below 64 MB.
+    assert!(
+        written < 32 * 1024 * 1024,
+        "the router read {written} pipelined bytes while the first answer was pending"
+    );
+    drop(stream);
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
