@@ -105,6 +105,8 @@ pub struct PredictionProbe {
     block_size: usize,
     predicted_tokens: u64,
     scanner: crate::routing::prediction::CachedTokensScanner,
+    /// Set only when debug logging is on: the request's log line then carries both counts.
+    request_id: Option<String>,
 }
 
 impl PredictionProbe {
@@ -118,6 +120,17 @@ impl PredictionProbe {
         let metrics = &self.router.metrics;
         let result =
             PredictionResult::classify(self.predicted_tokens, reported, self.block_size as u64);
+        if let Some(request_id) = &self.request_id {
+            tracing::debug!(
+                request_id = %request_id,
+                model = %self.model,
+                worker = %self.worker_url,
+                predicted_cached_tokens = self.predicted_tokens,
+                reported_cached_tokens = reported,
+                result = result.label(),
+                "prediction against the engine's report"
+            );
+        }
         metrics
             .predictions
             .with_label_values(&[&self.model, &self.worker_url, result.label()])
@@ -514,6 +527,8 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Routed, A
                             block_size,
                             predicted_tokens: predicted,
                             scanner: Default::default(),
+                            request_id: tracing::enabled!(tracing::Level::DEBUG)
+                                .then(|| fwd.request_id.to_string()),
                         })
                     });
                 return Ok(Routed {

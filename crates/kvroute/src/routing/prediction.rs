@@ -33,6 +33,9 @@ pub const SCAN_CARRY_BYTES: usize = 48;
 /// Longest run of digits read as a count (u64 has 20).
 const CACHED_TOKENS_DIGITS_MAX: usize = 20;
 const KEY: &[u8] = b"\"cached_tokens\"";
+/// Built once: constructing a searcher costs more than searching a chunk.
+static KEY_FINDER: std::sync::LazyLock<memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memmem::Finder::new(KEY));
 
 /// Finds the last complete `"cached_tokens": N` of a body fed chunk by chunk.
 #[derive(Debug, Default)]
@@ -78,19 +81,22 @@ fn value_after(buf: &[u8], at: usize) -> Option<Option<u64>> {
 impl CachedTokensScanner {
     /// Feeds the next chunk of the body.
     pub fn feed(&mut self, chunk: &[u8]) {
-        let finder = memmem::Finder::new(KEY);
+        let finder = &*KEY_FINDER;
         // Keys that straddle the previous chunk's end: search the carry joined to this chunk's
         // head (both short), and only at positions that start inside the carry.
         if !self.carry.is_empty() {
             let head = &chunk[..chunk.len().min(SCAN_CARRY_BYTES)];
-            let mut joined = Vec::with_capacity(self.carry.len() + head.len());
-            joined.extend_from_slice(&self.carry);
-            joined.extend_from_slice(head);
-            for at in finder.find_iter(&joined) {
+            // On the stack: this runs for every chunk of every streamed answer.
+            let mut joined_buf = [0u8; 2 * SCAN_CARRY_BYTES];
+            let joined_len = self.carry.len() + head.len();
+            joined_buf[..self.carry.len()].copy_from_slice(&self.carry);
+            joined_buf[self.carry.len()..joined_len].copy_from_slice(head);
+            let joined = &joined_buf[..joined_len];
+            for at in finder.find_iter(joined) {
                 if at >= self.carry.len() {
                     break;
                 }
-                if let Some(Some(v)) = value_after(&joined, at) {
+                if let Some(Some(v)) = value_after(joined, at) {
                     self.last = Some(v);
                 }
             }
