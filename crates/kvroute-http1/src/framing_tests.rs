@@ -164,6 +164,18 @@ fn bad_chunk(input: &[u8]) -> &'static str {
     }
 }
 
+/// Each input is refused with its reason.
+fn assert_bad_chunks(cases: &[(&[u8], &str)]) {
+    for &(input, why) in cases {
+        assert_eq!(
+            bad_chunk(input),
+            why,
+            "{:?}",
+            String::from_utf8_lossy(input)
+        );
+    }
+}
+
 fn encode_chunks(chunks: &[Vec<u8>]) -> Vec<u8> {
     let mut out = Vec::new();
     for c in chunks {
@@ -1232,7 +1244,7 @@ fn whitespace_is_taken_around_semicolons_and_equals_signs() {
 
 #[test]
 fn whitespace_right_before_the_crlf_of_an_extension_is_refused() {
-    for (input, why) in [
+    assert_bad_chunks(&[
         (
             &b"5;a \r\nhello\r\n0\r\n\r\n"[..],
             "whitespace before the end of a chunk size line",
@@ -1249,19 +1261,12 @@ fn whitespace_right_before_the_crlf_of_an_extension_is_refused() {
             b"5; \r\nhello\r\n0\r\n\r\n",
             "chunk extension without a name",
         ),
-    ] {
-        assert_eq!(
-            bad_chunk(input),
-            why,
-            "{:?}",
-            String::from_utf8_lossy(input)
-        );
-    }
+    ]);
 }
 
 #[test]
 fn a_chunk_extension_without_a_name_or_without_a_value_after_equals_is_refused() {
-    for (input, why) in [
+    assert_bad_chunks(&[
         (
             &b"5;\r\nhello\r\n0\r\n\r\n"[..],
             "chunk extension without a name",
@@ -1282,19 +1287,12 @@ fn a_chunk_extension_without_a_name_or_without_a_value_after_equals_is_refused()
             b"5;a=;b\r\nhello\r\n0\r\n\r\n",
             "chunk extension without a value",
         ),
-    ] {
-        assert_eq!(
-            bad_chunk(input),
-            why,
-            "{:?}",
-            String::from_utf8_lossy(input)
-        );
-    }
+    ]);
 }
 
 #[test]
 fn a_non_token_byte_in_an_extension_name_or_token_value_is_refused() {
-    for (input, why) in [
+    assert_bad_chunks(&[
         (
             &b"5;a/b\r\nhello\r\n0\r\n\r\n"[..],
             "invalid byte in chunk extension name",
@@ -1315,14 +1313,7 @@ fn a_non_token_byte_in_an_extension_name_or_token_value_is_refused() {
             b"5;a=\x80\r\nhello\r\n0\r\n\r\n",
             "chunk extension without a value",
         ),
-    ] {
-        assert_eq!(
-            bad_chunk(input),
-            why,
-            "{:?}",
-            String::from_utf8_lossy(input)
-        );
-    }
+    ]);
 }
 
 #[test]
@@ -1333,7 +1324,7 @@ fn a_quoted_extension_value_may_hold_separators_escapes_and_obs_text() {
 
 #[test]
 fn a_quoted_extension_value_with_a_control_byte_left_open_or_followed_by_junk_is_refused() {
-    for (input, why) in [
+    assert_bad_chunks(&[
         (
             &b"5;a=\"b\x01\"\r\nhello\r\n0\r\n\r\n"[..],
             "invalid byte in a quoted chunk extension value",
@@ -1350,14 +1341,7 @@ fn a_quoted_extension_value_with_a_control_byte_left_open_or_followed_by_junk_is
             b"5;a=\"b\"c\r\nhello\r\n0\r\n\r\n",
             "invalid byte after a quoted chunk extension value",
         ),
-    ] {
-        assert_eq!(
-            bad_chunk(input),
-            why,
-            "{:?}",
-            String::from_utf8_lossy(input)
-        );
-    }
+    ]);
 }
 
 #[test]
