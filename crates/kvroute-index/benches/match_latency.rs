@@ -26,7 +26,7 @@ use rand::{Rng, SeedableRng};
 #[path = "support/chat_shape.rs"]
 mod support;
 
-use support::{BLOCK_SIZE, Draws, sys_blocks, sys_seed, token};
+use support::{BLOCK_SIZE, Draws, percentile};
 
 impl Draws for StdRng {
     fn unit(&mut self) -> f64 {
@@ -65,19 +65,6 @@ const BLOCKS_PER_RANK: u64 = 100_000;
 const PROMPT_BLOCKS: usize = 512; // 8,192 tokens
 const QUERIES: usize = 20_000;
 
-/// Deterministic token `pos` of a stream named by `seed`.
-/// A conversation: system prompt `prompt` then `tail_blocks` blocks of stream `conv_seed`.
-#[derive(Clone, Copy)]
-struct Conv {
-    prompt: u32,
-    seed: u64,
-    tail_blocks: usize,
-}
-
-fn percentile(sorted: &[u64], p: f64) -> u64 {
-    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
-}
-
 fn main() {
     // `cargo bench` passes `--bench`; ignore arguments.
     let mut rng = StdRng::seed_from_u64(7);
@@ -87,7 +74,7 @@ fn main() {
         max_carried_blocks: u64::MAX,
         ..IndexConfig::new(BLOCK_SIZE)
     });
-    let mut convs: Vec<Conv> = Vec::new();
+    let mut convs: Vec<support::Conversation> = Vec::new();
     let mut engine_seq: u64 = 1;
     for rank in 0..RANKS {
         let id = w.add_rank(RankRef {
@@ -103,17 +90,11 @@ fn main() {
             |ev| {
                 w.apply_event(id, &ev);
             },
-            |c| {
-                convs.push(Conv {
-                    prompt: c.prompt,
-                    seed: c.seed,
-                    tail_blocks: c.tail_blocks,
-                })
-            },
+            |c| convs.push(c),
         );
     }
     let build_s = t_build.elapsed().as_secs_f64();
-    let convs_bytes = (convs.capacity() * std::mem::size_of::<Conv>()) as i64;
+    let convs_bytes = (convs.capacity() * std::mem::size_of::<support::Conversation>()) as i64;
     let index_bytes = LIVE_BYTES.load(Relaxed) - base_bytes - convs_bytes;
     let carried = r.total_carried();
     let nodes = r.node_count();
@@ -145,23 +126,13 @@ fn main() {
     let mut prompts: Vec<Vec<u32>> = Vec::with_capacity(256);
     for q in 0..256u64 {
         let kind: f64 = rng.random();
-        let mut toks = Vec::with_capacity(PROMPT_BLOCKS * BLOCK_SIZE as usize);
-        if kind < 0.8 {
-            let c = convs[rng.random_range(0..convs.len())];
-            let n = sys_blocks(c.prompt) as u64 * 16;
-            toks.extend((0..n).map(|t| token(sys_seed(c.prompt), t)));
-            if kind < 0.5 {
-                toks.extend((0..c.tail_blocks as u64 * 16).map(|t| token(c.seed, t)));
-            }
-        }
-        let fresh = 9 << 40 | q;
-        let mut t = 0;
-        while toks.len() < PROMPT_BLOCKS * BLOCK_SIZE as usize {
-            toks.push(token(fresh, t));
-            t += 1;
-        }
-        toks.truncate(PROMPT_BLOCKS * BLOCK_SIZE as usize);
-        prompts.push(toks);
+        prompts.push(support::chat_query(
+            &convs,
+            q,
+            PROMPT_BLOCKS * BLOCK_SIZE as usize,
+            kind,
+            |n| rng.random_range(0..n),
+        ));
     }
     let mut hashes = Vec::with_capacity(PROMPT_BLOCKS);
     let mut out = PrefixMatch::new();

@@ -4,7 +4,8 @@
 //! (skewed popularity, one node per block shared by every rank that stored it) and continue with
 //! a tail of their own, until the rank carries the blocks asked for.
 //!
-//! One generator, so the three benchmarks measure the same shape; the random draws come through
+//! One generator (and one query mix, [`chat_query`], for `match_latency` and the router's
+//! `scale_1024`), so the benchmarks measure the same shape; the random draws come through
 //! [`Draws`] so each bench keeps the generator it has always used (and its figures stay
 //! reproducible).
 
@@ -129,4 +130,40 @@ pub fn chat_rank(
         });
     }
     has_prompt.into_iter().flatten().collect()
+}
+
+/// Query `query` of `len_tokens` tokens over the conversations `convs` (the benches' query mix):
+/// with `kind` < 0.8 it opens with a conversation's system prompt (the conversation drawn by
+/// `pick(convs.len())`), below 0.5 it also continues that conversation's tail, and the rest is
+/// new content. `pick` is called only when a conversation is used, so each bench keeps its
+/// draw sequence.
+pub fn chat_query(
+    convs: &[Conversation],
+    query: u64,
+    len_tokens: usize,
+    kind: f64,
+    pick: impl FnOnce(usize) -> usize,
+) -> Vec<u32> {
+    let mut toks = Vec::with_capacity(len_tokens);
+    if kind < 0.8 {
+        let c = convs[pick(convs.len())];
+        let n = sys_blocks(c.prompt) as u64 * 16;
+        toks.extend((0..n).map(|t| token(sys_seed(c.prompt), t)));
+        if kind < 0.5 {
+            toks.extend((0..c.tail_blocks as u64 * 16).map(|t| token(c.seed, t)));
+        }
+    }
+    let fresh = 9 << 40 | query;
+    let mut t = 0;
+    while toks.len() < len_tokens {
+        toks.push(token(fresh, t));
+        t += 1;
+    }
+    toks.truncate(len_tokens);
+    toks
+}
+
+/// The `p` quantile of ascending `sorted` (the nearest rank at or below it).
+pub fn percentile(sorted: &[u64], p: f64) -> u64 {
+    sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)]
 }
