@@ -159,6 +159,40 @@ impl Fleet {
         steps
     }
 
+    /// Starts `count` replicas (`r0`, `r1`, ...) on fixed ports, each listing all of them as
+    /// `--kv-peers` (itself included: a replica never fetches from itself), so every one runs
+    /// the bootstrap for every registration; waits until each is ready and subscribed to every
+    /// engine rank.
+    pub async fn start_replicas_listing_each_other(
+        &mut self,
+        count: usize,
+        bootstrap_timeout_ms: u64,
+        ready_limit_ms: u64,
+    ) {
+        let workers = self.worker_specs();
+        let ports: Vec<(u16, u16)> = (0..count)
+            .map(|_| (crate::router::free_port(), crate::router::free_port()))
+            .collect();
+        let peers: Vec<String> = ports
+            .iter()
+            .map(|p| RouterProcess::internal_url(p.1))
+            .collect();
+        for (i, (public, internal)) in ports.iter().enumerate() {
+            let r = RouterProcess::start(
+                RouterOptions::new(&format!("r{i}"), &workers, bootstrap_timeout_ms)
+                    .with_peers(peers.clone())
+                    .with_ports(*public, *internal),
+            )
+            .await;
+            self.routers.push(r);
+        }
+        let ranks = self.rank_count();
+        for r in &self.routers {
+            r.wait_ready(ready_limit_ms).await;
+            r.wait_subscribed(ranks, ready_limit_ms).await;
+        }
+    }
+
     /// The router named `name`.
     pub fn router(&self, name: &str) -> &RouterProcess {
         self.routers

@@ -9,9 +9,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvroute_fleet::router::free_port;
 use kvroute_fleet::traffic::chain;
-use kvroute_fleet::{Fleet, RouterOptions, RouterProcess, SimOptions, SimProcess, scenario_lock};
+use kvroute_fleet::{Fleet, SimOptions, SimProcess, scenario_lock};
 
 /// Long on purpose: settling anywhere near it would be the failure this test exists to catch.
 const BOOTSTRAP_TIMEOUT_MS: u64 = 30_000;
@@ -25,26 +24,10 @@ async fn a_fresh_engine_registered_on_bootstrapping_replicas_settles_promptly() 
     let mut fleet = Fleet::new();
     let old = Arc::new(SimProcess::start(SimOptions::default()).await);
     fleet.sims.push(old.clone());
-    let workers = fleet.worker_specs();
     // Both replicas list each other, so both run the bootstrap for every registration.
-    let ports: Vec<(u16, u16)> = (0..2).map(|_| (free_port(), free_port())).collect();
-    let urls: Vec<String> = ports
-        .iter()
-        .map(|p| RouterProcess::internal_url(p.1))
-        .collect();
-    for (i, (public, internal)) in ports.iter().enumerate() {
-        let r = RouterProcess::start(
-            RouterOptions::new(&format!("r{i}"), &workers, BOOTSTRAP_TIMEOUT_MS)
-                .with_peers(urls.clone())
-                .with_ports(*public, *internal),
-        )
+    fleet
+        .start_replicas_listing_each_other(2, BOOTSTRAP_TIMEOUT_MS, READY_LIMIT_MS)
         .await;
-        fleet.routers.push(r);
-    }
-    for r in &fleet.routers {
-        r.wait_ready(READY_LIMIT_MS).await;
-        r.wait_subscribed(2, READY_LIMIT_MS).await;
-    }
     for i in 0..8 {
         old.store(0, (i % 2) as usize, &[chain(i, 3, 16)]).await;
     }
@@ -99,25 +82,9 @@ async fn an_engine_with_content_registered_on_bootstrapping_replicas_is_not_take
     let mut fleet = Fleet::new();
     let old = Arc::new(SimProcess::start(SimOptions::default()).await);
     fleet.sims.push(old.clone());
-    let workers = fleet.worker_specs();
-    let ports: Vec<(u16, u16)> = (0..2).map(|_| (free_port(), free_port())).collect();
-    let urls: Vec<String> = ports
-        .iter()
-        .map(|p| RouterProcess::internal_url(p.1))
-        .collect();
-    for (i, (public, internal)) in ports.iter().enumerate() {
-        let r = RouterProcess::start(
-            RouterOptions::new(&format!("r{i}"), &workers, BOOTSTRAP_TIMEOUT_MS)
-                .with_peers(urls.clone())
-                .with_ports(*public, *internal),
-        )
+    fleet
+        .start_replicas_listing_each_other(2, BOOTSTRAP_TIMEOUT_MS, READY_LIMIT_MS)
         .await;
-        fleet.routers.push(r);
-    }
-    for r in &fleet.routers {
-        r.wait_ready(READY_LIMIT_MS).await;
-        r.wait_subscribed(2, READY_LIMIT_MS).await;
-    }
     // The first engine's events give both indexes cursors, so each replica serves its sibling
     // a snapshot (a replica without any cursor answers 503 and is simply cold).
     for i in 0..8 {
