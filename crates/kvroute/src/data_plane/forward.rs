@@ -100,8 +100,9 @@ pub struct TrackedBody {
 /// passes. Boxed, so a route without it costs the body one pointer.
 pub struct PredictionProbe {
     router: Arc<Router>,
-    model: String,
-    worker_url: String,
+    /// Shared handles, not copies of their names: the probe rides every cache_aware answer.
+    model: Arc<crate::control::registry::ModelGroup>,
+    worker: Arc<Worker>,
     block_size: usize,
     predicted_tokens: u64,
     scanner: crate::routing::prediction::CachedTokensScanner,
@@ -113,6 +114,7 @@ impl PredictionProbe {
     /// The body ended: record the comparison when the engine reported a count (an answer
     /// without one, e.g. a stream without a usage chunk, says nothing).
     fn finish(self) {
+        let model = self.model.name.as_str();
         let Some(reported) = self.scanner.last() else {
             return;
         };
@@ -123,8 +125,8 @@ impl PredictionProbe {
         if let Some(request_id) = &self.request_id {
             tracing::debug!(
                 request_id = %request_id,
-                model = %self.model,
-                worker = %self.worker_url,
+                model = %model,
+                worker = %self.worker.url,
                 predicted_cached_tokens = self.predicted_tokens,
                 reported_cached_tokens = reported,
                 result = result.label(),
@@ -133,18 +135,16 @@ impl PredictionProbe {
         }
         metrics
             .predictions
-            .with_label_values(&[&self.model, &self.worker_url, result.label()])
+            .with_label_values(&[model, &self.worker.url, result.label()])
             .inc();
         metrics
             .prediction_error_tokens
-            .with_label_values(&[&self.model])
+            .with_label_values(&[model])
             .observe(self.predicted_tokens as f64 - reported as f64);
-        let transition = self.router.predictions.record(
-            &self.model,
-            self.block_size,
-            self.predicted_tokens,
-            reported,
-        );
+        let transition =
+            self.router
+                .predictions
+                .record(model, self.block_size, self.predicted_tokens, reported);
         match transition {
             Some(CheckTransition::Raised {
                 direction,
@@ -153,10 +153,10 @@ impl PredictionProbe {
             }) => {
                 metrics
                     .prediction_mismatch
-                    .with_label_values(&[&self.model, direction.label()])
+                    .with_label_values(&[model, direction.label()])
                     .set(1);
                 tracing::warn!(
-                    model = %self.model,
+                    model = %model,
                     direction = direction.label(),
                     predicted_cached_tokens = predicted,
                     reported_cached_tokens = reported,
@@ -171,11 +171,11 @@ impl PredictionProbe {
                 for d in ["over", "under"] {
                     metrics
                         .prediction_mismatch
-                        .with_label_values(&[&self.model, d])
+                        .with_label_values(&[model, d])
                         .set(0);
                 }
                 tracing::info!(
-                    model = %self.model,
+                    model = %model,
                     predicted_cached_tokens = predicted,
                     reported_cached_tokens = reported,
                     "kvroute's predictions agree with the engines' reports again"
@@ -522,8 +522,8 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Routed, A
                             .min(plan.prompt_tokens as u64);
                         Box::new(PredictionProbe {
                             router: router.clone(),
-                            model: plan.model.name.clone(),
-                            worker_url: worker.url.clone(),
+                            model: plan.model.clone(),
+                            worker: worker.clone(),
                             block_size,
                             predicted_tokens: predicted,
                             scanner: Default::default(),
