@@ -271,6 +271,14 @@ impl Balance {
     }
 }
 
+/// The 90th percentile (nearest rank) of ascending `sorted`; 0 when empty.
+fn p90_of_sorted(sorted: &[f64]) -> f64 {
+    sorted
+        .get(((sorted.len() as f64 * 0.9).ceil() as usize).saturating_sub(1))
+        .copied()
+        .unwrap_or(0.0)
+}
+
 fn share(part: u64, total: u64) -> f64 {
     if total == 0 {
         0.0
@@ -560,10 +568,7 @@ fn summarize(
     } else {
         ttft_ms.iter().sum::<f64>() / ttft_ms.len() as f64
     };
-    let p90 = ttft_ms
-        .get(((ttft_ms.len() as f64 * 0.9).ceil() as usize).saturating_sub(1))
-        .copied()
-        .unwrap_or(0.0);
+    let p90 = p90_of_sorted(&ttft_ms);
     RunResult {
         label,
         requests: samples.len(),

@@ -315,21 +315,15 @@ fn windows(samples: &[TimedSample], window_ms: u64, end_ms: f64) -> Vec<Window> 
 }
 
 fn hit_rate(samples: &[TimedSample]) -> f64 {
-    let prompt: u64 = samples.iter().map(|s| s.prompt_tokens).sum();
-    let cached: u64 = samples.iter().map(|s| s.cached_tokens).sum();
-    if prompt == 0 {
-        0.0
-    } else {
-        cached as f64 / prompt as f64
-    }
+    super::share(
+        samples.iter().map(|s| s.cached_tokens).sum(),
+        samples.iter().map(|s| s.prompt_tokens).sum(),
+    )
 }
 
 fn p90(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
-    values
-        .get(((values.len() as f64 * 0.9).ceil() as usize).saturating_sub(1))
-        .copied()
-        .unwrap_or(0.0)
+    super::p90_of_sorted(&values)
 }
 
 /// Reduces one run's samples to its report: windows, steady state, worst windows.
