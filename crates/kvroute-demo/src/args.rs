@@ -57,6 +57,9 @@ pub struct DemoArgs {
     /// The rolling-update mode (`--rolling-update` and its settings).
     #[command(flatten)]
     pub rolling: crate::rolling::RollingArgs,
+    /// The replica-sweep mode (`--replica-sweep` and its settings).
+    #[command(flatten)]
+    pub sweep: crate::replicas::SweepArgs,
 }
 
 /// Largest Zipf exponent accepted for the demo's prompt popularity (beyond it every

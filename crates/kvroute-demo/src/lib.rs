@@ -52,6 +52,7 @@ use kvroute::{PolicyKind, RouterConfig, WorkerSpec};
 
 pub mod args;
 pub mod chart;
+pub mod replicas;
 pub mod rolling;
 
 pub use args::{DemoArgs, FleetPrefill};
@@ -136,6 +137,9 @@ struct Sample {
     cached_tokens: u64,
     /// The router's `x-kvroute-decision` header, when it sends one.
     decision: Option<String>,
+    /// Which turn of its conversation this was (0 = the first, whose prompt is the system
+    /// prompt and one question).
+    turn: usize,
 }
 
 /// Matches prefixes against the in-process simulated engines' caches. It reads with
@@ -484,16 +488,27 @@ struct Driven {
     wall: Duration,
 }
 
-/// Drives the whole workload through the router at `router_base` (`http://host:port`) at the
+/// Drives the whole workload through the routers at `router_bases` (`http://host:port`) at the
 /// configured concurrency: one task per conversation, its turns in order, each turn resending
-/// the history with the previous reply appended.
+/// the history with the previous reply appended. With several routers, each request goes to the
+/// next one in turn (a client-side round robin, as a Service spreads connections), so one
+/// conversation's turns meet different replicas.
 async fn drive(
-    router_base: &str,
+    router_bases: &[String],
     args: &DemoArgs,
     conversations: &Arc<Vec<Conversation>>,
     bar: &ProgressBar,
 ) -> Result<Driven, String> {
-    let url = format!("{}/v1/chat/completions", router_base.trim_end_matches('/'));
+    if router_bases.is_empty() {
+        return Err("no router to drive".into());
+    }
+    let urls: Arc<Vec<String>> = Arc::new(
+        router_bases
+            .iter()
+            .map(|b| format!("{}/v1/chat/completions", b.trim_end_matches('/')))
+            .collect(),
+    );
+    let next_router = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(args.concurrency * 2)
         .build()
@@ -502,10 +517,11 @@ async fn drive(
     let started = Instant::now();
     let mut tasks = Vec::new();
     for i in 0..conversations.len() {
-        let (convs, http, url, permits, bar) = (
+        let (convs, http, urls, next_router, permits, bar) = (
             conversations.clone(),
             http.clone(),
-            url.clone(),
+            urls.clone(),
+            next_router.clone(),
             permits.clone(),
             bar.clone(),
         );
@@ -515,10 +531,13 @@ async fn drive(
             let mut messages = vec![json!({"role": "system", "content": conv.system.as_str()})];
             let mut samples = Vec::new();
             let mut failures = 0usize;
-            for turn in &conv.user_turns {
+            for (turn_index, turn) in conv.user_turns.iter().enumerate() {
                 messages.push(json!({"role": "user", "content": turn}));
-                match chat_turn(&http, &url, &messages).await {
-                    Ok((s, reply)) => {
+                let url = &urls
+                    [next_router.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % urls.len()];
+                match chat_turn(&http, url, &messages).await {
+                    Ok((mut s, reply)) => {
+                        s.turn = turn_index;
                         samples.push(s);
                         messages.push(json!({"role": "assistant", "content": reply}));
                     }
@@ -672,7 +691,7 @@ pub async fn run_external(
     } else {
         Some(read_served_stats(&http, engine_urls).await?)
     };
-    let driven = drive(router_url, args, &conversations, &bar).await?;
+    let driven = drive(&[router_url.to_string()], args, &conversations, &bar).await?;
     bar.finish_and_clear();
     let balance = match before {
         None => None,
@@ -735,7 +754,7 @@ async fn run_policy(
     let config = router_config(&fleet, policy, oracle, args.seed);
     let router = kvroute::serve(config).await.map_err(|e| e.to_string())?;
     wait_subscribed(&router.router, ENGINES * DP_SIZE).await?;
-    let driven = drive(&router.url(), args, conversations, bar).await;
+    let driven = drive(&[router.url()], args, conversations, bar).await;
     let predictions = PredictionCounts::of(&router.router);
     router.shutdown().await;
     let balance = fleet_balance(&fleet);
@@ -865,6 +884,12 @@ pub async fn run(args: DemoArgs) -> Result<(), String> {
             return Err("--rolling-update runs its own fleet of cache_aware replicas; it takes neither --router-url nor --policies".into());
         }
         return rolling::run_and_report(&args).await;
+    }
+    if args.sweep.replica_sweep {
+        if args.router_url.is_some() || !args.policies.is_empty() {
+            return Err("--replica-sweep runs its own fleet of cache_aware replicas; it takes neither --router-url nor --policies".into());
+        }
+        return replicas::run_and_report(&args).await;
     }
     if let Some(router_url) = args.router_url.clone() {
         return run_external_and_print(&router_url, &args).await;
@@ -1019,6 +1044,7 @@ pub fn tiny_workload_args() -> DemoArgs {
         label: "external".into(),
         json: false,
         rolling: rolling::RollingArgs::default(),
+        sweep: replicas::SweepArgs::default(),
     }
 }
 

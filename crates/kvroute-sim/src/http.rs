@@ -107,6 +107,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/health", get(health))
         .route("/health_generate", get(health))
         .route("/get_load", get(get_load))
+        .route("/metrics", get(prometheus_metrics))
         .route("/server_info", get(server_info))
         .route("/get_server_info", get(server_info));
     if engine.cfg.enable_control {
@@ -823,6 +824,57 @@ async fn models(State(engine): State<Arc<Engine>>) -> axum::Json<Value> {
 
 async fn health() -> StatusCode {
     StatusCode::OK
+}
+
+/// The engine's Prometheus `/metrics`, its scheduler gauges only, named as the engine the
+/// simulator speaks for names them: vLLM (V1) labels each data-parallel engine core
+/// `engine="N"`; SGLang names its gauges `sglang:num_running_reqs` / `sglang:num_queue_reqs`
+/// with a `dp_rank` label. A router that reads vLLM's load from here must find nothing it
+/// recognises on an SGLang engine.
+async fn prometheus_metrics(State(engine): State<Arc<Engine>>) -> Response {
+    use std::fmt::Write;
+    let vllm = !matches!(engine.cfg.encoding(), kvroute_wire::Encoding::Sglang);
+    let model = &engine.cfg.served_model_name;
+    let (running, waiting, rank_label) = if vllm {
+        (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "engine",
+        )
+    } else {
+        (
+            "sglang:num_running_reqs",
+            "sglang:num_queue_reqs",
+            "dp_rank",
+        )
+    };
+    let mut text = String::new();
+    for (name, help) in [
+        (running, "Requests running."),
+        (waiting, "Requests waiting."),
+    ] {
+        let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for r in 0..engine.dp_size() {
+            let s = engine.load_stat(r);
+            let value = if name == running {
+                s.num_running_reqs
+            } else {
+                s.num_waiting_reqs
+            };
+            let _ = writeln!(
+                text,
+                "{name}{{{rank_label}=\"{r}\",model_name=\"{model}\"}} {value}.0"
+            );
+        }
+    }
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
 }
 
 /// SGLang's `/get_load`: per-rank running and waiting requests and cached tokens.

@@ -124,6 +124,30 @@ pub struct ServeArgs {
           default_value_t = crate::routing::prediction::DEFAULT_PREDICTION_CHECK_TOLERANCE,
           value_parser = parse_fraction)]
     pub prediction_check_tolerance: f64,
+    /// Share per-rank load bookings with the sibling replicas peer discovery finds (each adds
+    /// the others' in-flight requests and queued prefill to its own in the cost model), so
+    /// replicas behind one Service do not each see a quarter of the load and herd together.
+    #[arg(long, env = "KVROUTE_LOAD_SHARE", default_value_t = true, action = clap::ArgAction::Set)]
+    pub load_share: bool,
+    /// Shortest time between two load-bookings frames to one sibling (a frame goes out only
+    /// when a booking changed, or as a heartbeat).
+    #[arg(long, env = "KVROUTE_LOAD_SHARE_INTERVAL_MS",
+          default_value_t = crate::peer::load_share::DEFAULT_LOAD_SHARE_INTERVAL_MS,
+          value_parser = clap::value_parser!(u64).range(1..=crate::peer::load_share::LOAD_SHARE_INTERVAL_MS_MAX))]
+    pub load_share_interval_ms: u64,
+    /// A sibling silent this long (heartbeats included) no longer counts, nor do its bookings.
+    #[arg(long, env = "KVROUTE_LOAD_SHARE_STALE_MS",
+          default_value_t = crate::peer::load_share::DEFAULT_LOAD_SHARE_STALE_MS,
+          value_parser = clap::value_parser!(u64).range(
+              crate::peer::load_share::LOAD_SHARE_STALE_MS_MIN..=crate::peer::load_share::LOAD_SHARE_STALE_MS_MAX))]
+    pub load_share_stale_ms: u64,
+    /// How often (ms) engines without a ZMQ load feed (vLLM) have their `/metrics` read for
+    /// running and waiting requests, which the cost model takes as the engine's own load.
+    /// 0 = never.
+    #[arg(long, env = "KVROUTE_ENGINE_METRICS_INTERVAL_MS",
+          default_value_t = crate::control::engine_metrics::DEFAULT_ENGINE_METRICS_INTERVAL_MS,
+          value_parser = clap::value_parser!(u64).range(0..=crate::control::engine_metrics::ENGINE_METRICS_INTERVAL_MS_MAX))]
+    pub engine_metrics_interval_ms: u64,
     /// Add an `x-kvroute-decision` header to every routed response.
     #[arg(long, env = "KVROUTE_DECISION_HEADER")]
     pub decision_header: bool,
@@ -332,6 +356,12 @@ impl ServeArgs {
             prediction_check: crate::routing::prediction::PredictionCheckConfig {
                 window_requests: self.prediction_check_window as usize,
                 tolerance: self.prediction_check_tolerance,
+            },
+            engine_metrics_interval_ms: self.engine_metrics_interval_ms,
+            load_share: crate::peer::load_share::LoadShareConfig {
+                enabled: self.load_share,
+                interval_ms: self.load_share_interval_ms,
+                stale_ms: self.load_share_stale_ms,
             },
             ..RouterConfig::default()
         })

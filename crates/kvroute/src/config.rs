@@ -126,6 +126,11 @@ pub struct RouterConfig {
     pub pending_prefix_ttl_ms: u64,
     /// The prediction check (`--prediction-check-window`, `--prediction-check-tolerance`).
     pub prediction_check: crate::routing::prediction::PredictionCheckConfig,
+    /// `--engine-metrics-interval-ms`: how often engines without a ZMQ load feed have their
+    /// `/metrics` read for vLLM's running and waiting requests (0 = never).
+    pub engine_metrics_interval_ms: u64,
+    /// Load sharing with the siblings in the peer registry (`--load-share*`).
+    pub load_share: LoadShareConfig,
 }
 
 impl RouterConfig {
@@ -179,6 +184,8 @@ impl Default for RouterConfig {
             prefix_oracle: None,
             pending_prefix_ttl_ms: DEFAULT_PENDING_PREFIX_TTL_MS,
             prediction_check: Default::default(),
+            load_share: Default::default(),
+            engine_metrics_interval_ms: DEFAULT_ENGINE_METRICS_INTERVAL_MS,
         }
     }
 }
@@ -194,6 +201,49 @@ impl FetchConfig {
             total_timeout_ms: FETCH_TOTAL_TIMEOUT_MS,
             max_bytes: cfg.kv_snapshot_max_bytes,
             auth_token: cfg.internal_auth_token.clone(),
+        }
+    }
+}
+
+// Load sharing between sibling replicas (`crate::peer::load_share` explains it) and the engine
+// metrics scrape (`crate::control::engine_metrics`): their settings live here, with the rest of
+// the configuration, so the configuration depends on no service module.
+
+/// Default `--load-share-interval-ms`: shortest time between two frames of one stream. A
+/// prompt's prefill on the demo fleet takes 5-60 ms; 5 ms puts a booking in front of the
+/// siblings before most of the requests that could herd behind it arrive.
+pub const DEFAULT_LOAD_SHARE_INTERVAL_MS: u64 = 5;
+/// Largest accepted `--load-share-interval-ms`.
+pub const LOAD_SHARE_INTERVAL_MS_MAX: u64 = 1_000;
+/// Default `--load-share-stale-ms`: a sibling silent this long (no frame, heartbeats included)
+/// no longer counts, and neither do its bookings.
+pub const DEFAULT_LOAD_SHARE_STALE_MS: u64 = 1_000;
+/// Range of `--load-share-stale-ms`: above the heartbeat, below a minute.
+pub const LOAD_SHARE_STALE_MS_MIN: u64 = 4 * LOAD_SHARE_HEARTBEAT_MS;
+pub const LOAD_SHARE_STALE_MS_MAX: u64 = 60_000;
+/// A stream with nothing new still sends an empty delta this often, so silence means trouble.
+pub const LOAD_SHARE_HEARTBEAT_MS: u64 = 100;
+
+/// Default `--engine-metrics-interval-ms` (`crate::control::engine_metrics`).
+pub const DEFAULT_ENGINE_METRICS_INTERVAL_MS: u64 = 500;
+/// Largest accepted `--engine-metrics-interval-ms`.
+pub const ENGINE_METRICS_INTERVAL_MS_MAX: u64 = 60_000;
+
+/// `--load-share*`.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadShareConfig {
+    /// Follow the siblings' bookings (the producer endpoint is always served).
+    pub enabled: bool,
+    pub interval_ms: u64,
+    pub stale_ms: u64,
+}
+
+impl Default for LoadShareConfig {
+    fn default() -> Self {
+        LoadShareConfig {
+            enabled: true,
+            interval_ms: DEFAULT_LOAD_SHARE_INTERVAL_MS,
+            stale_ms: DEFAULT_LOAD_SHARE_STALE_MS,
         }
     }
 }

@@ -196,6 +196,8 @@ pub async fn serve_with_workers(
     // background, and a dynamic source's edits are applied by its consumer task.
     let worker_source = worker_source::start(&router, source, sync_progress).await;
     router.spawn_health_loop();
+    peer::load_share_tasks::start_following(&router);
+    control::engine_metrics::start(&router);
     let internal = peer::internal::internal_app(
         router.clone(),
         control::gates::readiness_gates(&router),
@@ -205,6 +207,14 @@ pub async fn serve_with_workers(
         ),
     );
     let internal_token = router.shutdown.clone();
+    // No Nagle: the load-bookings stream writes a small frame every few milliseconds, and
+    // Nagle's wait for the previous frame's ACK (which the sibling delays up to 40 ms) would
+    // age every booking by that much.
+    let internal_listener = axum::serve::ListenerExt::tap_io(internal_listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY on an internal connection");
+        }
+    });
     let internal_join = tokio::spawn(async move {
         if let Err(e) = axum::serve(internal_listener, internal)
             .with_graceful_shutdown(internal_token.cancelled_owned())

@@ -99,7 +99,10 @@ fn worker_json(router: &Router, w: &crate::control::registry::Worker) -> Value {
             json!({"dp_rank": r, "in_flight": l.in_flight.load(Relaxed),
                 "queued_prefill_tokens": l.queued_prefill_tokens.load(Relaxed),
                 "dispatched_total": l.dispatched_total.load(Relaxed),
-                "engine_load": router.kv.engine_load(&w.url, r as u32)})
+                "sibling_in_flight": l.sibling_in_flight.load(Relaxed),
+                "sibling_queued_prefill_tokens": l.sibling_queued_prefill_tokens.load(Relaxed),
+                "engine_load": crate::control::engine_metrics::engine_load(
+                    router, w, r as u32, crate::control::registry::clock_us())})
         })
         .collect();
     json!({"id": w.id, "url": w.url, "model": w.model, "dp_size": w.dp_size, "health": health,
@@ -127,7 +130,10 @@ pub(super) async fn list_workers(State(s): State<AppState>) -> Response {
                 "reported_cached_tokens": c.reported_tokens})
         })
         .collect();
-    axum::Json(json!({"workers": workers, "prediction_checks": checks})).into_response()
+    let load_share = json!({"enabled": s.router.config.load_share.enabled,
+        "siblings": s.router.load_share.siblings(s.router.config.load_share.stale_ms)});
+    axum::Json(json!({"workers": workers, "prediction_checks": checks, "load_share": load_share}))
+        .into_response()
 }
 
 pub(super) async fn add_worker(State(s): State<AppState>, body: Body) -> Response {

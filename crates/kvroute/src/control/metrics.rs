@@ -31,6 +31,13 @@ pub struct Metrics {
     /// 1 while a model's predictions persistently disagree with its engines' reports, by
     /// direction (`over`, `under`).
     pub prediction_mismatch: IntGaugeVec,
+    /// Load-bookings frames by `result`: `sent` (to a sibling), `applied` (from one), `refused`
+    /// (from one, and its stream was dropped).
+    pub load_share_frames: IntCounterVec,
+    /// Siblings whose bookings currently count (heard within `--load-share-stale-ms`).
+    pub load_share_siblings: prometheus::IntGauge,
+    /// Engine `/metrics` scrapes by `result`: `ok`, `no_vllm_gauges`, `failed`.
+    pub engine_metrics_scrapes: IntCounterVec,
 }
 
 impl Metrics {
@@ -146,6 +153,27 @@ impl Metrics {
             ),
             &["model", "direction"],
         )?;
+        let load_share_frames = IntCounterVec::new(
+            Opts::new(
+                "kvroute_load_share_frames_total",
+                "Load-bookings frames sent to siblings, applied from them, or refused",
+            ),
+            &["result"],
+        )?;
+        let load_share_siblings = prometheus::IntGauge::new(
+            "kvroute_load_share_siblings",
+            "Siblings whose load bookings count in the cost model",
+        )?;
+        let engine_metrics_scrapes = IntCounterVec::new(
+            Opts::new(
+                "kvroute_engine_metrics_scrapes_total",
+                "Scrapes of engines' /metrics for vLLM's running and waiting requests",
+            ),
+            &["result"],
+        )?;
+        registry.register(Box::new(engine_metrics_scrapes.clone()))?;
+        registry.register(Box::new(load_share_frames.clone()))?;
+        registry.register(Box::new(load_share_siblings.clone()))?;
         registry.register(Box::new(prediction_error_tokens.clone()))?;
         registry.register(Box::new(predictions.clone()))?;
         registry.register(Box::new(prediction_mismatch.clone()))?;
@@ -168,6 +196,9 @@ impl Metrics {
             prediction_error_tokens,
             predictions,
             prediction_mismatch,
+            load_share_frames,
+            load_share_siblings,
+            engine_metrics_scrapes,
         })
     }
 

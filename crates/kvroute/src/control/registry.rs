@@ -38,6 +38,18 @@ pub struct RankLoad {
     /// arriving 50 ms into a 57 ms prefill was charged 57 ms of waiting; the backlog decays as
     /// time passes, and the cost model takes the smaller of the two estimates.
     pub prefill_busy_until_us: AtomicU64,
+    /// The siblings' bookings on this rank (`crate::peer::load_share`): written only by the
+    /// load-share aggregator, read by the cost model next to the router's own counters.
+    pub sibling_in_flight: AtomicI64,
+    pub sibling_queued_prefill_tokens: AtomicI64,
+    /// When the siblings' prefill on this rank should be done, on this router's clock: the
+    /// sum of their remaining backlogs at the last aggregation, which then decays like ours.
+    pub sibling_prefill_busy_until_us: AtomicU64,
+    /// vLLM's running and waiting requests on this rank from its `/metrics`, and when (on
+    /// [`clock_us`], 0 = never) they were read (see `crate::control::engine_metrics`).
+    pub engine_metrics_running: AtomicU64,
+    pub engine_metrics_waiting: AtomicU64,
+    pub engine_metrics_at_us: AtomicU64,
     /// This rank's `kvroute_in_flight_requests` series, looked up by its labels once (first
     /// dispatch) instead of formatting and hashing them on every attempt.
     pub in_flight_gauge: std::sync::OnceLock<prometheus::IntGauge>,
@@ -57,6 +69,13 @@ impl RankLoad {
             std::sync::atomic::Ordering::Relaxed,
             |until| Some(until.max(now_us).saturating_add(work_us)),
         );
+    }
+
+    /// The siblings' prefill still queued on the rank at `now_us` (0 without load sharing).
+    pub fn sibling_prefill_backlog_us(&self, now_us: u64) -> u64 {
+        self.sibling_prefill_busy_until_us
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .saturating_sub(now_us)
     }
 
     /// Prefill time still queued on the rank at `now_us` by the virtual-time estimate.

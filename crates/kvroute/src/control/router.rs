@@ -50,6 +50,8 @@ pub struct Router {
     pub bootstrap: Option<Arc<Bootstrap>>,
     /// Predicted against reported cached tokens, per model.
     pub predictions: crate::routing::prediction::PredictionChecks,
+    /// The siblings' load bookings as followed (see [`crate::peer::load_share`]).
+    pub load_share: crate::peer::load_share::LoadShare,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +108,7 @@ impl Router {
             policy: Policy::new(config.policy, config.weights, config.rng_seed),
             registry: Registry::new(config.prompt_tokens_max),
             predictions: crate::routing::prediction::PredictionChecks::new(config.prediction_check),
+            load_share: Default::default(),
             tokenizers: TokenizerSet::default(),
             shutdown: CancellationToken::new(),
             metrics,

@@ -17,6 +17,8 @@
 //!   envelope (header `x-kvroute-snapshot-compression` names it, no `Content-Encoding`), because
 //!   its HMAC is then verified before a single byte is decompressed.
 //! * `GET /internal/kv_cursors[?model=NAME]`: the rank table and cursors, never cached.
+//! * `GET /internal/load_bookings`: an endless stream of this replica's own per-rank load
+//!   bookings, for siblings' cost models ([`crate::peer::load_share`]).
 //!
 //! Both answer 404 when this replica keeps no index for the model (policy not cache-aware, no
 //! worker publishing events, unknown model), 400 when several models have indexes and none was
@@ -115,6 +117,12 @@ pub fn internal_app(
     AxumRouter::new()
         .route(KV_SNAPSHOT_PATH, get(kv_snapshot))
         .route(KV_CURSORS_PATH, get(kv_cursors))
+        .route(
+            crate::peer::load_share::LOAD_BOOKINGS_PATH,
+            get(|State(s): State<InternalState>| async move {
+                crate::peer::load_share_tasks::bookings_stream_response(&s.router)
+            }),
+        )
         .fallback(|| async { refuse(StatusCode::NOT_FOUND, "not_found", "unknown internal route") })
         .with_state(state)
         .merge(admin)

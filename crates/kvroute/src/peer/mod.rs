@@ -3,12 +3,16 @@
 //! [`internal`] is the internal listener (its own port and bind address, optional bearer token)
 //! that serves [`producer`]'s cached index snapshots and the cursor table; [`fetch`] is the
 //! client a booting replica uses to pull a sibling's snapshot; [`bootstrap`] is the task that
-//! makes a booting replica warm. Sibling DISCOVERY is the `kvroute-discovery` crate; the
+//! makes a booting replica warm; [`load_share`] streams this replica's per-rank bookings to its
+//! siblings and sums theirs into the cost model ([`load_frame`] is its wire format). Sibling DISCOVERY is the `kvroute-discovery` crate; the
 //! decisions of the bootstrap consumer (vetting, the sweep) are the pure `kvroute-bootstrap`
 //! crate, and holding, grafting and splice proofs happen in the KV plane's pump.
 
 pub mod bootstrap;
 pub mod fetch;
 pub mod internal;
+pub mod load_frame;
+pub mod load_share;
+pub mod load_share_tasks;
 pub mod producer;
 pub mod protocol;

@@ -9,6 +9,7 @@
 
 use std::cell::RefCell;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::control::registry::{ModelGroup, Worker};
@@ -127,12 +128,21 @@ impl Router {
                         matched_blocks: 0,
                         device_blocks: 0,
                         pending_blocks: 0,
-                        in_flight: load.in_flight.load(std::sync::atomic::Ordering::Relaxed),
+                        // Own bookings plus the siblings' (0 without load sharing): what the
+                        // engine has queued from the whole fleet of routers, as far as we know.
+                        in_flight: load.in_flight.load(Ordering::Relaxed).max(0)
+                            + load.sibling_in_flight.load(Ordering::Relaxed),
                         queued_prefill_tokens: load
                             .queued_prefill_tokens
-                            .load(std::sync::atomic::Ordering::Relaxed),
-                        prefill_backlog_us: load.prefill_backlog_us(now_us) as f64,
-                        engine: self.kv.engine_load(&w.url, r as u32),
+                            .load(Ordering::Relaxed)
+                            .max(0)
+                            + load.sibling_queued_prefill_tokens.load(Ordering::Relaxed),
+                        prefill_backlog_us: (load.prefill_backlog_us(now_us)
+                            + load.sibling_prefill_backlog_us(now_us))
+                            as f64,
+                        engine: crate::control::engine_metrics::engine_load(
+                            self, w, r as u32, now_us,
+                        ),
                     },
                 });
             }
@@ -199,6 +209,16 @@ impl Router {
                     rank_key(chosen),
                     now,
                     chosen.input.pending_blocks > 0,
+                );
+                // The same hint for the siblings (load sharing), so a cold prefix's next
+                // request follows this one whichever replica it reaches.
+                self.load_share.publish_pending(
+                    &group.name,
+                    &chosen.worker.url,
+                    chosen.dp_rank,
+                    hashes
+                        .get(chosen.input.matched_blocks as usize..)
+                        .unwrap_or(&[]),
                 );
             }
             decision

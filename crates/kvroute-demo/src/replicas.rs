@@ -1,0 +1,366 @@
+//! `kvroute-demo --replica-sweep`: the demo workload through 1, 2 and 4 cache_aware replicas
+//! behind a client-side round robin, with load sharing between them off and on.
+//!
+//! What it answers: does a fleet of router replicas route as well as one router? Each replica
+//! sees every engine's KV events, so all of them know the same prefixes, but without sharing each
+//! knows only the load IT sent; with `--load-share` each adds its siblings' bookings. Every run is
+//! a fresh in-process fleet (the demo's 8 ranks) and fresh replicas that list each other as
+//! siblings, started before any request; requests go to the replicas in turn, so one
+//! conversation's turns meet different replicas, as behind a Service.
+//!
+//! Per row, the median over `--replica-rounds` runs of: the engines' hit rate (cached over
+//! prompt tokens, from the usage chunks), the client's p90 time to first token, and the busiest
+//! rank's share of requests (engine-side counts). Rounds differ by the routers' random seeds and
+//! by timing; the workload is the demo's.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde_json::{Value, json};
+
+use kvroute::PolicyKind;
+use kvroute::peer::load_share::LoadShareConfig;
+
+use super::{
+    DP_SIZE, DemoArgs, ENGINES, RunResult, drive, fleet_balance, progress_bar, router_config,
+    sim_config, summarize, wait_subscribed, workload,
+};
+
+/// Most replicas one sweep row may run.
+pub const SWEEP_REPLICAS_MAX: usize = 16;
+/// Most rounds per row.
+pub const SWEEP_ROUNDS_MAX: usize = 50;
+/// Longest wait for every replica to hear every sibling before the traffic starts.
+const SIBLINGS_HEARD_DEADLINE_MS: u64 = 10_000;
+
+#[derive(Debug, Args, Clone)]
+pub struct SweepArgs {
+    /// Run the demo workload through several cache_aware replicas behind a client-side round
+    /// robin, with load sharing off and on, and print hit rate, p90 TTFT and the busiest
+    /// rank's share per replica count.
+    #[arg(long)]
+    pub replica_sweep: bool,
+    /// Replica counts of the sweep (1 runs once: there is nothing to share).
+    #[arg(long, value_delimiter = ',', default_values_t = [1u16, 2, 4],
+          value_parser = clap::value_parser!(u16).range(1..=SWEEP_REPLICAS_MAX as i64))]
+    pub replica_counts: Vec<u16>,
+    /// Runs per row; the row shows their median.
+    #[arg(long, default_value_t = 5,
+          value_parser = clap::value_parser!(u16).range(1..=SWEEP_ROUNDS_MAX as i64))]
+    pub replica_rounds: u16,
+    /// The replicas' `--load-share-interval-ms` in the sharing rows.
+    #[arg(long, default_value_t = kvroute::peer::load_share::DEFAULT_LOAD_SHARE_INTERVAL_MS,
+          value_parser = clap::value_parser!(u64).range(1..=kvroute::peer::load_share::LOAD_SHARE_INTERVAL_MS_MAX))]
+    pub replica_load_share_interval_ms: u64,
+}
+
+impl Default for SweepArgs {
+    fn default() -> Self {
+        SweepArgs {
+            replica_sweep: false,
+            replica_counts: vec![1, 2, 4],
+            replica_rounds: 5,
+            replica_load_share_interval_ms:
+                kvroute::peer::load_share::DEFAULT_LOAD_SHARE_INTERVAL_MS,
+        }
+    }
+}
+
+/// One row: a replica count, sharing on or off, and every round's figures.
+#[derive(Debug)]
+pub struct SweepRow {
+    pub replicas: usize,
+    pub sharing: bool,
+    pub rounds: Vec<SweepRun>,
+}
+
+/// One run of a row: the demo's figures, and the p90 TTFT of first turns and of later turns
+/// apart (the first turns include the workload's opening burst, every conversation of the
+/// first wave starting at once, which several replicas must place at the same instant).
+#[derive(Debug)]
+pub struct SweepRun {
+    pub run: RunResult,
+    pub first_turns_ttft_p90_ms: f64,
+    pub later_turns_ttft_p90_ms: f64,
+}
+
+fn p90_ms<'a>(samples: impl Iterator<Item = &'a super::Sample>) -> f64 {
+    let mut ms: Vec<f64> = samples.map(|s| s.ttft.as_secs_f64() * 1000.0).collect();
+    ms.sort_by(f64::total_cmp);
+    super::p90_of_sorted(&ms)
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+impl SweepRow {
+    pub fn label(&self) -> String {
+        match (self.replicas, self.sharing) {
+            (1, _) => "1 replica".to_string(),
+            (n, true) => format!("{n} replicas, sharing"),
+            (n, false) => format!("{n} replicas, no sharing"),
+        }
+    }
+    pub fn hit_rate(&self) -> f64 {
+        median(self.rounds.iter().map(|r| r.run.hit_rate).collect())
+    }
+    pub fn ttft_p90_ms(&self) -> f64 {
+        median(self.rounds.iter().map(|r| r.run.ttft_p90_ms).collect())
+    }
+    pub fn first_turns_ttft_p90_ms(&self) -> f64 {
+        median(
+            self.rounds
+                .iter()
+                .map(|r| r.first_turns_ttft_p90_ms)
+                .collect(),
+        )
+    }
+    pub fn later_turns_ttft_p90_ms(&self) -> f64 {
+        median(
+            self.rounds
+                .iter()
+                .map(|r| r.later_turns_ttft_p90_ms)
+                .collect(),
+        )
+    }
+    pub fn busiest_rank_share(&self) -> f64 {
+        median(
+            self.rounds
+                .iter()
+                .filter_map(|r| r.run.balance.as_ref().map(|b| b.busiest_rank_share()))
+                .collect(),
+        )
+    }
+    fn failures(&self) -> usize {
+        self.rounds.iter().map(|r| r.run.failures).sum()
+    }
+}
+
+/// Waits until every replica counts each of its siblings as heard (load sharing on).
+async fn wait_siblings_heard(replicas: &[kvroute::RouterHandle]) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_millis(SIBLINGS_HEARD_DEADLINE_MS);
+    loop {
+        let heard: Vec<usize> = replicas
+            .iter()
+            .map(|r| {
+                let stale = r.router.config.load_share.stale_ms;
+                r.router
+                    .load_share
+                    .siblings(stale)
+                    .iter()
+                    .filter(|s| s.fresh)
+                    .count()
+            })
+            .collect();
+        if heard.iter().all(|&n| n + 1 == replicas.len()) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "replicas heard {heard:?} siblings, expected {} each",
+                replicas.len() - 1
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn run_once(
+    args: &DemoArgs,
+    conversations: &Arc<Vec<super::Conversation>>,
+    replicas: usize,
+    sharing: bool,
+    round: u64,
+    bar: &indicatif::ProgressBar,
+) -> Result<SweepRun, String> {
+    let fleet = kvroute_sim::start_fleet(sim_config(args.fleet_prefill))
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut handles = Vec::with_capacity(replicas);
+    for i in 0..replicas {
+        let seed = args.seed + 1_000 * round + i as u64;
+        let config = kvroute::RouterConfig {
+            load_share: LoadShareConfig {
+                enabled: sharing,
+                interval_ms: args.sweep.replica_load_share_interval_ms,
+                ..LoadShareConfig::default()
+            },
+            ..router_config(&fleet, PolicyKind::CacheAware, false, seed)
+        };
+        handles.push(kvroute::serve(config).await.map_err(|e| e.to_string())?);
+    }
+    for (i, h) in handles.iter().enumerate() {
+        let siblings = handles
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, s)| kvroute_discovery::PeerUrl::parse(&s.internal_url()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?;
+        h.router.peers.replace(siblings);
+        wait_subscribed(&h.router, ENGINES * DP_SIZE).await?;
+    }
+    if sharing {
+        wait_siblings_heard(&handles).await?;
+    }
+    let urls: Vec<String> = handles.iter().map(|h| h.url()).collect();
+    let driven = drive(&urls, args, conversations, bar).await;
+    for h in handles {
+        h.shutdown().await;
+    }
+    let balance = fleet_balance(&fleet);
+    fleet.shutdown().await;
+    let label = format!("{replicas}x{}", if sharing { "shared" } else { "unshared" });
+    let driven = driven?;
+    let first_turns_ttft_p90_ms = p90_ms(driven.samples.iter().filter(|s| s.turn == 0));
+    let later_turns_ttft_p90_ms = p90_ms(driven.samples.iter().filter(|s| s.turn > 0));
+    Ok(SweepRun {
+        run: summarize(label, driven, Some(balance), None),
+        first_turns_ttft_p90_ms,
+        later_turns_ttft_p90_ms,
+    })
+}
+
+/// Runs every row of the sweep.
+pub async fn run_sweep(args: &DemoArgs) -> Result<Vec<SweepRow>, String> {
+    let sweep = &args.sweep;
+    let mut shapes: Vec<(usize, bool)> = Vec::new();
+    for &n in &sweep.replica_counts {
+        let n = n as usize;
+        if n == 1 {
+            shapes.push((1, false));
+        } else {
+            shapes.push((n, false));
+            shapes.push((n, true));
+        }
+    }
+    let conversations = Arc::new(workload(args));
+    let per_run = conversations
+        .iter()
+        .map(|c| c.user_turns.len())
+        .sum::<usize>();
+    let rounds = sweep.replica_rounds as u64;
+    let bar = progress_bar(per_run * shapes.len() * rounds as usize)?;
+    let mut rows: Vec<SweepRow> = shapes
+        .iter()
+        .map(|&(replicas, sharing)| SweepRow {
+            replicas,
+            sharing,
+            rounds: Vec::new(),
+        })
+        .collect();
+    // Rounds outermost, so a slow stretch of the machine touches every row alike.
+    for round in 0..rounds {
+        for row in rows.iter_mut() {
+            bar.set_message(format!("round {} / {rounds}: {}", round + 1, row.label()));
+            let run =
+                run_once(args, &conversations, row.replicas, row.sharing, round, &bar).await?;
+            row.rounds.push(run);
+        }
+    }
+    bar.finish_and_clear();
+    Ok(rows)
+}
+
+fn row_json(row: &SweepRow) -> Value {
+    json!({
+        "replicas": row.replicas,
+        "load_sharing": row.sharing,
+        "hit_rate_median": row.hit_rate(),
+        "ttft_p90_ms_median": row.ttft_p90_ms(),
+        "first_turns_ttft_p90_ms_median": row.first_turns_ttft_p90_ms(),
+        "later_turns_ttft_p90_ms_median": row.later_turns_ttft_p90_ms(),
+        "busiest_rank_share_median": row.busiest_rank_share(),
+        "rounds": row.rounds.iter().map(|r| json!({
+            "hit_rate": r.run.hit_rate,
+            "ttft_p90_ms": r.run.ttft_p90_ms,
+            "first_turns_ttft_p90_ms": r.first_turns_ttft_p90_ms,
+            "later_turns_ttft_p90_ms": r.later_turns_ttft_p90_ms,
+            "ttft_mean_ms": r.run.ttft_mean_ms,
+            "busiest_rank_share": r.run.balance.as_ref().map(|b| b.busiest_rank_share()),
+            "requests": r.run.requests,
+            "failures": r.run.failures,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// Runs the sweep and prints it (a table, or JSON with `--json`).
+pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
+    let started = Instant::now();
+    let rows = run_sweep(args).await?;
+    let single = rows.iter().find(|r| r.replicas == 1);
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "mode": "replica_sweep",
+                "workload": super::workload_json(args),
+                "rounds": args.sweep.replica_rounds,
+                "rows": rows.iter().map(row_json).collect::<Vec<_>>(),
+                "total_wall_s": started.elapsed().as_secs_f64(),
+            })
+        );
+    } else {
+        println!(
+            "kvroute replica sweep: {} engines x {} DP ranks, cache_aware, {}; median of {} rounds",
+            ENGINES,
+            DP_SIZE,
+            super::workload_summary(args),
+            args.sweep.replica_rounds
+        );
+        println!(
+            "{:<26} {:>9} {:>12} {:>12} {:>12} {:>13} {:>16}",
+            "replicas",
+            "hit_rate",
+            "ttft_p90_ms",
+            "1st_turn_p90",
+            "later_p90",
+            "busiest_rank",
+            "vs 1 replica"
+        );
+        for row in &rows {
+            let versus = match single {
+                Some(s) if row.replicas > 1 => format!(
+                    "{:+.1} pts {:+.0}%",
+                    (row.hit_rate() - s.hit_rate()) * 100.0,
+                    (row.ttft_p90_ms() / s.ttft_p90_ms() - 1.0) * 100.0
+                ),
+                _ => String::new(),
+            };
+            println!(
+                "{:<26} {:>8.1}% {:>12.1} {:>12.1} {:>12.1} {:>12.1}% {:>16}",
+                row.label(),
+                row.hit_rate() * 100.0,
+                row.ttft_p90_ms(),
+                row.first_turns_ttft_p90_ms(),
+                row.later_turns_ttft_p90_ms(),
+                row.busiest_rank_share() * 100.0,
+                versus
+            );
+        }
+        println!("total wall time {:.1} s", started.elapsed().as_secs_f64());
+    }
+    if rows.iter().any(|r| r.failures() > 0) {
+        return Err("some sweep requests failed (see warnings above)".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(vec![]), 0.0);
+    }
+}
