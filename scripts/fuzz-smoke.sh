@@ -23,6 +23,7 @@ targets=(
   "http1_request 200000"
   "http1_response_chunked 200000"
   "token_ids 200000"
+  "load_frame 200000"
 )
 # The bounds every run enforces: resident memory, any single allocation, time per input.
 bounds=(-rss_limit_mb=2048 -malloc_limit_mb=512 -timeout=10)

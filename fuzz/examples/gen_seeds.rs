@@ -458,7 +458,73 @@ fn token_id_seeds() {
     );
 }
 
+fn load_frame_seeds() {
+    use kvroute_fuzz::load_frame::{
+        BookingFrame, RankBookings, RankKey, SharedPending, encode_line,
+    };
+    let mut s = Seeds::new("load_frame");
+    let key: &[u8] = b"kvroute-fuzz-shared-secret-0001";
+    let rank = |url: &str, dp: u32| RankKey {
+        worker_url: url.into(),
+        dp_rank: dp,
+    };
+    let busy = RankBookings {
+        in_flight: 3,
+        queued_prefill_tokens: 1_800,
+        prefill_backlog_us: 5_400,
+    };
+    let full = BookingFrame::Full {
+        seq: 1,
+        ranks: vec![
+            (rank("http://10.0.0.1:8000", 0), busy),
+            (rank("http://10.0.0.1:8000", 1), RankBookings::default()),
+        ],
+        pending: vec![],
+    };
+    let delta = BookingFrame::Delta {
+        seq: 2,
+        changes: vec![(1, busy)],
+        pending: vec![SharedPending {
+            model: "m".into(),
+            rank: rank("http://10.0.0.1:8000", 1),
+            hashes: vec![0, 1, u64::MAX],
+        }],
+    };
+    let heartbeat = BookingFrame::Delta {
+        seq: 3,
+        changes: vec![],
+        pending: vec![],
+    };
+    for (name, frame) in [
+        ("full", &full),
+        ("delta_with_pending", &delta),
+        ("heartbeat", &heartbeat),
+    ] {
+        for (mode, suffix, mac) in [(0u8, "plain", None), (1u8, "signed", Some(key))] {
+            let line = encode_line(frame, mac);
+            let mut input = vec![mode];
+            input.extend_from_slice(&line[..line.len() - 1]);
+            s.put(&format!("{name}_{suffix}"), &input);
+        }
+    }
+    // Shapes the decoder must refuse: an unsigned line to a keyed follower, both kinds at
+    // once, an index past the table, a URL and counts past their bounds.
+    let unsigned = encode_line(&heartbeat, None);
+    let mut input = vec![1u8];
+    input.extend_from_slice(&unsigned[..unsigned.len() - 1]);
+    s.put("unsigned_to_keyed", &input);
+    s.put("both_kinds", b"\x00{\"seq\":1,\"full\":[],\"delta\":[]}");
+    s.put("index_past_table", b"\x00{\"seq\":2,\"delta\":[[9,1,1,1]]}");
+    // Found by the first smoke run (fuzz/README.md, finding 5): seq 0 after seq u64::MAX.
+    s.put(
+        "regression_seq_after_u64_max",
+        b"\x00{\"seq\":0,\"delta\":[]}",
+    );
+    s.put("huge_counts", b"\x00{\"seq\":1,\"full\":[[\"http://e\",0,18446744073709551615,18446744073709551615,18446744073709551615]]}");
+}
+
 fn main() {
+    load_frame_seeds();
     wire_seeds();
     frame_seeds();
     snapshot_seeds();

@@ -5,11 +5,11 @@
 //! Input layouts are defined here, once, because both the targets (reading inputs) and the seed
 //! generator (`examples/gen_seeds.rs`, writing them) must agree on them.
 //!
-//! Why `#[path]` for two modules: `kvroute-kv`'s frame parsing and `kvroute`'s token-id reader
-//! are pure functions inside crates that link tokio, zeromq, reqwest, axum, hyper, tokenizers and
+//! Why `#[path]` for three modules: `kvroute-kv`'s frame parsing, `kvroute`'s token-id reader and
+//! its load-bookings frame codec are pure code inside crates that link tokio, zeromq, reqwest, axum, hyper, tokenizers and
 //! more (about 190 and 290 crates). Building those with sanitizer coverage would take the CI
 //! smoke far past its time budget for two functions that depend only on `bytes`, `thiserror`,
-//! `serde_json` and `memchr`. So this crate compiles the very same source files; nothing is
+//! `serde_json`, `memchr`, `hmac` and `sha2`. So this crate compiles the very same source files; nothing is
 //! copied, and a change to either file is fuzzed by the next build. The price: those files must
 //! keep using only external crates (no `crate::` paths), and a crate they start using must be
 //! added to this crate's manifest too; the fuzz build (and so the CI smoke) fails until it is.
@@ -31,6 +31,11 @@ pub mod kv_frames;
 #[cfg(not(test))]
 #[path = "../../crates/kvroute/src/data_plane/token_ids.rs"]
 pub mod token_ids;
+
+/// `kvroute`'s `peer::load_frame`: the load-bookings frame codec and the follower's table.
+#[cfg(not(test))]
+#[path = "../../crates/kvroute/src/peer/load_frame.rs"]
+pub mod load_frame;
 
 // ---------------------------------------------------------------------------------------------
 // ZMQ frames

@@ -437,8 +437,9 @@ impl SiblingBookings {
     pub fn apply(&mut self, frame: BookingFrame, now_us: u64) -> Result<(), ApplyError> {
         match frame {
             BookingFrame::Full { seq, ranks, .. } => {
+                // A seq at u64::MAX has no successor: the next frame is a gap, never a wrap.
                 if let Some(last) = self.last_seq
-                    && seq != last + 1
+                    && last.checked_add(1) != Some(seq)
                 {
                     return Err(ApplyError::SeqGap { last, got: seq });
                 }
@@ -450,7 +451,7 @@ impl SiblingBookings {
             }
             BookingFrame::Delta { seq, changes, .. } => {
                 let last = self.last_seq.ok_or(ApplyError::DeltaBeforeFull)?;
-                if seq != last + 1 {
+                if last.checked_add(1) != Some(seq) {
                     return Err(ApplyError::SeqGap { last, got: seq });
                 }
                 if let Some(&(index, _)) = changes
@@ -536,7 +537,7 @@ impl FrameSender {
         let same_ranks = self.last_sent_us.is_some()
             && self.keys.len() == ranks.len()
             && self.keys.iter().zip(ranks).all(|(k, r)| *k == r.key);
-        let seq = self.next_seq + 1;
+        let seq = self.next_seq.wrapping_add(1);
         let frame = if !same_ranks {
             self.keys = ranks.iter().map(|r| r.key.clone()).collect();
             BookingFrame::Full {
@@ -834,6 +835,30 @@ mod tests {
         assert_eq!(table, before);
         table.apply(heartbeat(2), 30).unwrap();
         assert_eq!(table.heard_at_us, 30, "a heartbeat refreshes the table");
+    }
+
+    #[test]
+    fn a_seq_at_its_maximum_has_no_successor_and_never_wraps() {
+        let mut table = SiblingBookings::default();
+        let full = |seq| BookingFrame::Full {
+            seq,
+            ranks: vec![],
+            pending: vec![],
+        };
+        table.apply(full(u64::MAX), 1).unwrap();
+        assert_eq!(
+            table.apply(full(0), 2),
+            Err(ApplyError::SeqGap {
+                last: u64::MAX,
+                got: 0
+            })
+        );
+        let heartbeat = BookingFrame::Delta {
+            seq: 0,
+            changes: vec![],
+            pending: vec![],
+        };
+        assert!(table.apply(heartbeat, 3).is_err());
     }
 
     #[test]
