@@ -1,10 +1,16 @@
-//! Load sharing between sibling replicas: each replica streams its own per-rank bookings to its
-//! siblings, and adds theirs to its own in the cost model.
+//! Load sharing between sibling replicas: each replica streams its own per-rank bookings and the
+//! cold prefixes it just routed to its siblings, and adds theirs to its own cost model and
+//! pending table. This module is the state the `Router` owns (the followed tables, the outbox of
+//! pending prefixes, the stream cap); the tasks that fill and serve it are in
+//! `peer::load_share_tasks`, apart so the router does not depend on tasks that need the router.
 //!
 //! Why: every replica sees the same prefix state (each subscribes to every engine), but only
 //! the requests IT routed. Behind a Service spreading clients over N replicas, each one
 //! underestimates every rank's load about N times, all in the same direction, so they herd onto
-//! the same warm rank. The fix is to let each replica see what its siblings have in flight.
+//! the same warm rank; and a prefix one replica just sent to a rank is pending only in ITS table,
+//! so the next request of that prefix, reaching another replica, is placed elsewhere and the
+//! prefix is prefilled twice. The fix is to let each replica see what its siblings have in
+//! flight and where they just sent new prefixes.
 //!
 //! Shape:
 //! * Producer: `GET /internal/load_bookings` on the internal listener (behind its bearer token)
