@@ -283,6 +283,12 @@ fn p90_of_sorted(sorted: &[f64]) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The 90th percentile (nearest rank) of `values` in any order; 0 when empty.
+fn p90(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    p90_of_sorted(&values)
+}
+
 fn share(part: u64, total: u64) -> f64 {
     if total == 0 {
         0.0

@@ -86,9 +86,7 @@ pub struct SweepRun {
 }
 
 fn p90_ms<'a>(samples: impl Iterator<Item = &'a super::Sample>) -> f64 {
-    let mut ms: Vec<f64> = samples.map(|s| s.ttft.as_secs_f64() * 1000.0).collect();
-    ms.sort_by(f64::total_cmp);
-    super::p90_of_sorted(&ms)
+    super::p90(samples.map(|s| s.ttft.as_secs_f64() * 1000.0).collect())
 }
 
 fn median(mut values: Vec<f64>) -> f64 {

@@ -309,7 +309,7 @@ fn windows(samples: &[TimedSample], window_ms: u64, end_ms: f64) -> Vec<Window> 
             start_s: i as f64 * width / 1000.0,
             requests: b.len(),
             hit_rate: hit_rate(b),
-            ttft_p90_ms: p90(b.iter().map(|s| s.ttft_ms).collect()),
+            ttft_p90_ms: super::p90(b.iter().map(|s| s.ttft_ms).collect()),
         })
         .collect()
 }
@@ -319,11 +319,6 @@ fn hit_rate(samples: &[TimedSample]) -> f64 {
         samples.iter().map(|s| s.cached_tokens).sum(),
         samples.iter().map(|s| s.prompt_tokens).sum(),
     )
-}
-
-fn p90(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    super::p90_of_sorted(&values)
 }
 
 /// Reduces one run's samples to its report: windows, steady state, worst windows.
@@ -362,7 +357,7 @@ fn summarize(
     RolloutRun {
         mode,
         steady_hit_rate: hit_rate(&steady),
-        steady_ttft_p90_ms: p90(steady.iter().map(|s| s.ttft_ms).collect()),
+        steady_ttft_p90_ms: super::p90(steady.iter().map(|s| s.ttft_ms).collect()),
         min_hit_rate: during
             .iter()
             .map(|w| w.hit_rate)

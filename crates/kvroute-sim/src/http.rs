@@ -849,14 +849,14 @@ async fn prometheus_metrics(State(engine): State<Arc<Engine>>) -> Response {
         )
     };
     let mut text = String::new();
-    for (name, help) in [
-        (running, "Requests running."),
-        (waiting, "Requests waiting."),
+    for (name, help, is_running) in [
+        (running, "Requests running.", true),
+        (waiting, "Requests waiting.", false),
     ] {
         let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} gauge");
         for r in 0..engine.dp_size() {
             let s = engine.load_stat(r);
-            let value = if name == running {
+            let value = if is_running {
                 s.num_running_reqs
             } else {
                 s.num_waiting_reqs

@@ -221,39 +221,30 @@ async fn scrape_loop(router: Arc<Router>) {
 async fn scrape_one(router: &Router, worker: &Worker) -> bool {
     let url = format!("{}/metrics", worker.url.trim_end_matches('/'));
     let fetch = async {
-        let resp = router.http.get(&url).send().await.ok()?;
+        // reqwest's timeout covers the body too; `read_capped` bounds its size.
+        let resp = router
+            .http
+            .get(&url)
+            .timeout(Duration::from_millis(ENGINE_METRICS_TIMEOUT_MS))
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
         if !resp.status().is_success() {
-            return None;
+            return Err(format!("HTTP {}", resp.status()));
         }
-        if resp
-            .content_length()
-            .is_some_and(|n| n > ENGINE_METRICS_MAX_BYTES as u64)
-        {
-            return None;
-        }
-        let mut body = Vec::new();
-        let mut stream = resp.bytes_stream();
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.ok()?;
-            if body.len() + chunk.len() > ENGINE_METRICS_MAX_BYTES {
-                return None;
-            }
-            body.extend_from_slice(&chunk);
-        }
-        Some(body)
+        crate::routing::kv::read_capped(resp, ENGINE_METRICS_MAX_BYTES).await
     };
-    let body =
-        match tokio::time::timeout(Duration::from_millis(ENGINE_METRICS_TIMEOUT_MS), fetch).await {
-            Ok(Some(body)) => body,
-            _ => {
-                router
-                    .metrics
-                    .engine_metrics_scrapes
-                    .with_label_values(&["failed"])
-                    .inc();
-                return false;
-            }
-        };
+    let body = match fetch.await {
+        Ok(body) => body,
+        Err(_) => {
+            router
+                .metrics
+                .engine_metrics_scrapes
+                .with_label_values(&["failed"])
+                .inc();
+            return false;
+        }
+    };
     let loads = parse_vllm_load(&String::from_utf8_lossy(&body));
     if loads.is_empty() {
         router
