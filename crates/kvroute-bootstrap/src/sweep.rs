@@ -12,7 +12,10 @@
 //! * [`Sweep`] runs passes every [`PASS_INTERVAL_MS`] until a verdict: `found`, `no_peers`,
 //!   `fleet_cold`, `timed_out` or `ranks_resolved`. A body that vets but covers none of the
 //!   pending ranks does not end it; a rank settles `empty` mid-sweep once every candidate names
-//!   it in `empty_ranks` (a candidate that is itself cold or not ready abstains).
+//!   it in `empty_ranks` (a candidate that is itself cold or not ready abstains), and is handed
+//!   to the engine as `unknown to the fleet` once every candidate that answered with a vetted body
+//!   lists the rank and knows nothing of it (a booting sibling holding it too, a sibling that
+//!   joined its stream mid-way): waiting would only wait for the deadline.
 //! * [`Coordinator`] keeps one fleet-wide sweep in flight (one body carries every rank, so N
 //!   engines discovered together cost one fetch, not N), folds ranks discovered meanwhile into
 //!   it, makes a gap retry whose floor is newer than the in-flight request wait for its own
@@ -295,6 +298,8 @@ pub struct Progress<P> {
     pub wait_until_ms: Option<u64>,
     /// Ranks every candidate names in `empty_ranks`: settle them `empty` now.
     pub settled_empty: Vec<Obligation>,
+    /// Ranks no candidate knows (see [`Sweep::settle_by_witnesses`]): release them now.
+    pub unknown_to_fleet: Vec<Obligation>,
     pub verdict: Option<Verdict<P>>,
 }
 
@@ -304,13 +309,14 @@ impl<P> Default for Progress<P> {
             fetch: Vec::new(),
             wait_until_ms: None,
             settled_empty: Vec::new(),
+            unknown_to_fleet: Vec::new(),
             verdict: None,
         }
     }
 }
 
 /// A peer's latest answer in this sweep.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 enum Standing {
     /// Not ready, no nodes, or no snapshot at all.
     Cold,
@@ -318,15 +324,47 @@ enum Standing {
     /// Vetted, but covers none of the pending ranks.
     CoversNone,
     /// Unreachable, busy, or a damaged body: says nothing.
+    #[default]
     Silent,
     Useful,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 struct Testimony {
     standing: Standing,
     /// Ranks its latest vetted snapshot names empty; erased by any later non-vetted answer.
     empty: BTreeSet<RankId>,
+    /// Ranks its latest vetted snapshot lists in its rank table (the producer knows the worker).
+    listed: BTreeSet<RankId>,
+    /// Listed ranks it speaks for: covered (nodes and a cursor) or named empty.
+    knows: BTreeSet<RankId>,
+}
+
+impl Testimony {
+    fn of(standing: Standing) -> Testimony {
+        Testimony {
+            standing,
+            ..Testimony::default()
+        }
+    }
+
+    fn vetted(standing: Standing, snapshot: &VettedSnapshot) -> Testimony {
+        let mut t = Testimony::of(standing);
+        for (rank, coverage) in snapshot.ranks() {
+            t.listed.insert(rank);
+            match coverage {
+                Coverage::Empty => {
+                    t.empty.insert(rank);
+                    t.knows.insert(rank);
+                }
+                Coverage::Covered { .. } => {
+                    t.knows.insert(rank);
+                }
+                Coverage::Unknown => {}
+            }
+        }
+        t
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -505,13 +543,7 @@ impl<P: Ord + Clone> Sweep<P> {
             let overdue = std::mem::take(&mut pass.outstanding);
             for peer in overdue {
                 self.tried.insert(peer.clone());
-                self.testimony.insert(
-                    peer,
-                    Testimony {
-                        standing: Standing::Silent,
-                        empty: BTreeSet::new(),
-                    },
-                );
+                self.testimony.insert(peer, Testimony::of(Standing::Silent));
                 self.last_reason = Some("a fetch never reported back".into());
             }
             self.end_pass(view, book, &mut out);
@@ -603,25 +635,15 @@ impl<P: Ord + Clone> Sweep<P> {
                 stamp,
             } => {
                 book.record_export(peer, stamp);
-                let empty: BTreeSet<RankId> = snapshot
-                    .ranks()
-                    .filter(|(_, c)| *c == Coverage::Empty)
-                    .map(|(r, _)| r)
-                    .collect();
                 if snapshot.covers_any(self.obligations.keys().map(|(r, _)| *r)) {
                     book.record_useful(peer);
+                    let t = Testimony::vetted(Standing::Useful, &snapshot);
                     found = Some(snapshot);
-                    Testimony {
-                        standing: Standing::Useful,
-                        empty,
-                    }
+                    t
                 } else {
                     book.record_miss(peer, now_ms);
                     self.last_reason = Some("the snapshot covers none of the pending ranks".into());
-                    Testimony {
-                        standing: Standing::CoversNone,
-                        empty,
-                    }
+                    Testimony::vetted(Standing::CoversNone, &snapshot)
                 }
             }
             FetchResult::Body {
@@ -641,40 +663,28 @@ impl<P: Ord + Clone> Sweep<P> {
                     }
                 };
                 self.last_reason = Some(bounded_reason(&rejection.to_string()));
-                Testimony {
-                    standing,
-                    empty: BTreeSet::new(),
-                }
+                Testimony::of(standing)
             }
             FetchResult::NoSnapshot => {
                 book.record_miss(peer, now_ms);
                 self.last_reason = Some("the peer has no snapshot to serve".into());
-                Testimony {
-                    standing: Standing::Cold,
-                    empty: BTreeSet::new(),
-                }
+                Testimony::of(Standing::Cold)
             }
             FetchResult::Busy => {
                 book.record_miss(peer, now_ms);
                 self.last_reason = Some("the peer is busy".into());
-                Testimony {
-                    standing: Standing::Silent,
-                    empty: BTreeSet::new(),
-                }
+                Testimony::of(Standing::Silent)
             }
             FetchResult::Unreachable { reason } => {
                 book.record_miss(peer, now_ms);
                 self.last_reason = Some(bounded_reason(&reason));
-                Testimony {
-                    standing: Standing::Silent,
-                    empty: BTreeSet::new(),
-                }
+                Testimony::of(Standing::Silent)
             }
         };
         self.testimony.insert(peer.clone(), testimony);
         if let Some(snapshot) = found {
             let candidates = self.candidates(view, book);
-            self.settle_unanimous(&candidates, book, &mut out);
+            self.settle_by_witnesses(&candidates, book, &mut out);
             self.finish(
                 &mut out,
                 Verdict::Found {
@@ -698,7 +708,14 @@ impl<P: Ord + Clone> Sweep<P> {
     /// while its booting siblings said nothing. A silent candidate (unreachable, busy, a damaged
     /// body) still vetoes: it may be the one replica that holds the rank. At least one vetted
     /// answer must name the rank, so abstention alone never settles anything.
-    fn settle_unanimous(&mut self, candidates: &[P], book: &PeerBook<P>, out: &mut Progress<P>) {
+    ///
+    /// By the same witnesses, an obligation is `unknown to the fleet` when every witness
+    /// answered with a vetted body that lists the rank and speaks for it neither as covered nor
+    /// as empty: every sibling is as blind to it as this replica (they all hold it in their own
+    /// bootstrap, or joined its stream mid-way), so no later pass can bring a snapshot of it and
+    /// only its engine can. A witness that does not list the rank (its producer has not
+    /// registered the worker yet) or said nothing (silent) keeps the search going.
+    fn settle_by_witnesses(&mut self, candidates: &[P], book: &PeerBook<P>, out: &mut Progress<P>) {
         let answered: Option<Vec<&Testimony>> = candidates
             .iter()
             .filter(|p| !book.is_rejected(p))
@@ -722,6 +739,26 @@ impl<P: Ord + Clone> Sweep<P> {
             self.obligations.remove(&o.key());
             out.settled_empty.push(o);
         }
+        let all_vetted = witnesses
+            .iter()
+            .all(|t| matches!(t.standing, Standing::Useful | Standing::CoversNone));
+        if !all_vetted {
+            return;
+        }
+        let unknown: Vec<Obligation> = self
+            .obligations
+            .values()
+            .filter(|o| {
+                witnesses
+                    .iter()
+                    .all(|t| t.listed.contains(&o.rank) && !t.knows.contains(&o.rank))
+            })
+            .copied()
+            .collect();
+        for o in unknown {
+            self.obligations.remove(&o.key());
+            out.unknown_to_fleet.push(o);
+        }
     }
 
     fn end_pass(&mut self, view: &PeerView<'_, P>, book: &PeerBook<P>, out: &mut Progress<P>) {
@@ -737,7 +774,7 @@ impl<P: Ord + Clone> Sweep<P> {
             next_pass_ms: pass.next_pass_ms,
         };
         let now_candidates = self.candidates(view, book);
-        self.settle_unanimous(&now_candidates, book, out);
+        self.settle_by_witnesses(&now_candidates, book, out);
         if self.obligations.is_empty() {
             self.finish(out, Verdict::RanksResolved);
             return;
@@ -977,6 +1014,12 @@ impl<P: Ord + Clone> Coordinator<P> {
             tick.released.push(Release {
                 obligation: ob,
                 disposition: Disposition::Settle(Outcome::Empty),
+            });
+        }
+        for ob in progress.unknown_to_fleet {
+            tick.released.push(Release {
+                obligation: ob,
+                disposition: Disposition::Settle(Outcome::Uncovered),
             });
         }
         let Some(verdict) = progress.verdict else {

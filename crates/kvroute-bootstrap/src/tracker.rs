@@ -75,7 +75,8 @@ pub enum Outcome {
     /// Failed: the live stream did not join the snapshot's cursor and neither the engine's replay
     /// nor the one fresher snapshot healed it; the graft was discarded.
     Gap,
-    /// Failed: the delivered snapshot had no cursor for the rank.
+    /// Failed: no snapshot had a cursor for the rank (the delivered one did not speak for it, or
+    /// every sibling that answered knows nothing of it), and its engine could not rebuild it.
     Uncovered,
     /// Failed: the search ended (timed out, no peers, fleet cold) without a snapshot.
     Abandoned,
@@ -87,7 +88,8 @@ pub enum Outcome {
     Rejected,
     /// Recovered: the rank's stream began at seq 0 while we watched, so nothing was missed.
     FromOrigin,
-    /// Recovered: every sibling says the rank holds nothing (a fresh engine).
+    /// Recovered: the rank holds nothing (a fresh engine): every sibling that holds its whole
+    /// history says so, or the engine's replay from seq 0 returned nothing.
     Empty,
     /// Recovered: rebuilt exactly from the engine's replay buffer, which reached back to seq 0.
     FromEngineReplay,

@@ -5,7 +5,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{body, ob, order_for, rejected, view};
+use common::{body, body_listing, ob, order_for, rejected, view};
 use kvroute_bootstrap::{
     Admission, Coordinator, Disposition, FetchResult, LateJoin, Obligation, Outcome, PeerBook,
     Rejection, Release, Tick, VerdictKind,
@@ -163,9 +163,10 @@ fn ranks_a_found_snapshot_never_spoke_for_are_handed_back_once_then_uncovered() 
     c.submit(ob(0, 1, 0), LateJoin::Permitted);
     c.submit(ob(1, 1, 0), LateJoin::Permitted);
     c.poll(&view(&peers), &book, 1_000, DEADLINE_MS, all_owed);
+    // The producer has not registered rank 1's worker yet: its snapshot cannot speak for it.
     let t = c.on_answer(
         &order_for(c.in_flight(), "a"),
-        body(&[0], &[], 1_010),
+        body_listing(&[0, 3], &[0], &[], 1_010),
         &view(&peers),
         &mut book,
         1_010,
@@ -177,7 +178,7 @@ fn ranks_a_found_snapshot_never_spoke_for_are_handed_back_once_then_uncovered() 
     c.submit(ob(3, 1, 0), LateJoin::Permitted);
     let t = c.on_answer(
         &order_for(c.in_flight(), "a"),
-        body(&[3], &[], 2_010),
+        body_listing(&[0, 3], &[3], &[], 2_010),
         &view(&peers),
         &mut book,
         2_010,
@@ -252,9 +253,10 @@ fn a_rank_every_candidate_names_empty_is_released_empty_mid_sweep() {
     c.submit(ob(0, 1, 0), LateJoin::Permitted);
     c.submit(ob(1, 1, 0), LateJoin::Permitted);
     c.poll(&view(&["a"]), &book, 1_000, DEADLINE_MS, all_owed);
+    // Rank 0's worker is not in the producer's table yet, so it is still searched for.
     let t = c.on_answer(
         &order_for(c.in_flight(), "a"),
-        body(&[6], &[1], 1_010),
+        body_listing(&[1, 6], &[6], &[1], 1_010),
         &view(&["a"]),
         &mut book,
         1_010,
@@ -263,6 +265,32 @@ fn a_rank_every_candidate_names_empty_is_released_empty_mid_sweep() {
     assert_eq!(released(&t), [(1, Disposition::Settle(Outcome::Empty))]);
     assert!(t.delivery.is_none(), "rank 0 is still searched for");
     assert_eq!(c.held(), 1);
+}
+
+#[test]
+fn a_rank_no_sibling_knows_is_released_uncovered_for_its_engine_mid_sweep() {
+    let mut book = PeerBook::new(None);
+    let mut c = Coordinator::<Peer>::new(2_000);
+    c.submit(ob(0, 1, 0), LateJoin::Permitted);
+    c.submit(ob(1, 1, 0), LateJoin::Permitted);
+    c.poll(&view(&["a"]), &book, 1_000, DEADLINE_MS, all_owed);
+    // `a` lists both ranks and knows neither (it holds them in its own bootstrap).
+    let t = c.on_answer(
+        &order_for(c.in_flight(), "a"),
+        body(&[6], &[], 1_010),
+        &view(&["a"]),
+        &mut book,
+        1_010,
+        all_owed,
+    );
+    assert_eq!(
+        released(&t),
+        [
+            (0, Disposition::Settle(Outcome::Uncovered)),
+            (1, Disposition::Settle(Outcome::Uncovered))
+        ]
+    );
+    assert!(c.is_idle(), "nothing is left to search for");
 }
 
 #[test]

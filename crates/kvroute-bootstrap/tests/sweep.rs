@@ -1,9 +1,12 @@
 //! The sweep's rules, one property per test: candidates and self exclusion, sit-outs, freshness
-//! floors, every verdict and its guards, and `empty` settlement.
+//! floors, every verdict and its guards, `empty` settlement and ranks unknown to the fleet.
+//! Where a test needs the search to go on after a warm answer, that answer comes from a producer
+//! that has not registered the pending rank's worker (`body_listing`): a producer that lists the
+//! rank and knows nothing of it would end the search for it (`unknown_to_fleet`).
 
 mod common;
 
-use common::{body, ob, order_for, rejected, view};
+use common::{body, body_listing, ob, order_for, rejected, view};
 use kvroute_bootstrap::sweep::{PASS_INTERVAL_MS, PEER_SIT_OUT_MAX_MS};
 use kvroute_bootstrap::{
     ExportStamp, FetchResult, PeerBook, PeerView, Rejection, Sweep, Verdict, VerdictKind,
@@ -150,7 +153,7 @@ fn passes_are_spaced_by_the_interval_and_a_missing_peer_sits_one_out() {
     assert_eq!(asked(&s.poll(&view(&peers), &book, 1_000)), ["a"]);
     let p = s.on_answer(
         &order_for(Some(&s), "a"),
-        body(&[3], &[], 1_010),
+        body_listing(&[3], &[3], &[], 1_010),
         &view(&peers),
         &mut book,
         1_010,
@@ -247,7 +250,7 @@ fn the_second_pass_asks_the_same_peer_for_a_newer_export() {
     assert_eq!(p.fetch[0].max_age_ms, 900, "the sweep's floor");
     s.on_answer(
         &order_for(Some(&s), "a"),
-        body(&[3], &[], 1_100),
+        body_listing(&[3], &[3], &[], 1_100),
         &view(&peers),
         &mut book,
         1_100,
@@ -421,7 +424,7 @@ fn an_unreachable_busy_or_warm_peer_vetoes_fleet_cold() {
     for other in [
         unreachable(),
         FetchResult::Busy,
-        body(&[5], &[], 1_020),
+        body_listing(&[5], &[5], &[], 1_020),
         rejected(Rejection::CoversNothing, 1_020),
     ] {
         let mut book = PeerBook::new(None);
@@ -454,7 +457,7 @@ fn a_rank_settles_empty_once_every_candidate_names_it() {
     s.poll(&view(&peers), &book, 1_000);
     let p = s.on_answer(
         &order_for(Some(&s), "a"),
-        body(&[5], &[1], 1_010),
+        body_listing(&[1, 5], &[5], &[1], 1_010),
         &view(&peers),
         &mut book,
         1_010,
@@ -462,7 +465,7 @@ fn a_rank_settles_empty_once_every_candidate_names_it() {
     assert!(p.settled_empty.is_empty(), "b has not spoken");
     let p = s.on_answer(
         &order_for(Some(&s), "b"),
-        body(&[6], &[1], 1_020),
+        body_listing(&[1, 6], &[6], &[1], 1_020),
         &view(&peers),
         &mut book,
         1_020,
@@ -554,7 +557,7 @@ fn a_not_ready_sibling_abstains_so_a_ready_one_alone_settles_a_rank_empty() {
     );
     let p = s.on_answer(
         &order_for(Some(&s), "a"),
-        body(&[5], &[1], 1_010),
+        body_listing(&[1, 5], &[5], &[1], 1_010),
         &view(&peers),
         &mut book,
         1_010,
@@ -779,4 +782,101 @@ fn a_pass_whose_answer_never_arrives_closes_after_the_fetch_timeout() {
     let p = s.poll(&view(&peers), &book, 3_000);
     assert!(p.verdict.is_none(), "a silent peer vetoes fleet_cold");
     assert_eq!(asked(&p), ["a", "b"], "the next pass starts at once");
+}
+
+// ---- ranks no sibling knows ----
+
+#[test]
+fn a_rank_every_witness_lists_and_none_knows_is_unknown_to_the_fleet_once_all_answered() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[0, 1], 0, 10_000);
+    let peers = ["a", "b"];
+    s.poll(&view(&peers), &book, 1_000);
+    let p = s.on_answer(
+        &order_for(Some(&s), "a"),
+        body(&[5], &[], 1_010),
+        &view(&peers),
+        &mut book,
+        1_010,
+    );
+    assert!(p.unknown_to_fleet.is_empty(), "b has not spoken");
+    // b knows rank 1 (covers it), so only rank 0 is unknown to every witness.
+    let p = s.on_answer(
+        &order_for(Some(&s), "b"),
+        body(&[1], &[], 1_020),
+        &view(&peers),
+        &mut book,
+        1_020,
+    );
+    assert_eq!(p.unknown_to_fleet, vec![ob(0, 1, 0)]);
+    assert!(matches!(p.verdict, Some(Verdict::Found { peer: "b", .. })));
+}
+
+#[test]
+fn a_silent_sibling_keeps_a_rank_the_others_do_not_know_searched_for() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[0], 0, 10_000);
+    let peers = ["a", "b"];
+    s.poll(&view(&peers), &book, 1_000);
+    s.on_answer(
+        &order_for(Some(&s), "a"),
+        body(&[5], &[], 1_010),
+        &view(&peers),
+        &mut book,
+        1_010,
+    );
+    let p = s.on_answer(
+        &order_for(Some(&s), "b"),
+        unreachable(),
+        &view(&peers),
+        &mut book,
+        1_020,
+    );
+    assert!(p.unknown_to_fleet.is_empty(), "b may be the one that knows");
+    assert!(p.verdict.is_none());
+    assert!(s.holds(RankId(0), kvroute_bootstrap::Incarnation(1)));
+}
+
+#[test]
+fn a_witness_whose_table_lacks_the_rank_keeps_it_searched_for() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[0], 0, 10_000);
+    let peers = ["a"];
+    s.poll(&view(&peers), &book, 1_000);
+    let p = s.on_answer(
+        &order_for(Some(&s), "a"),
+        body_listing(&[5], &[5], &[], 1_010),
+        &view(&peers),
+        &mut book,
+        1_010,
+    );
+    assert!(p.unknown_to_fleet.is_empty(), "a has not registered rank 0");
+    assert!(p.verdict.is_none());
+}
+
+#[test]
+fn a_not_ready_sibling_abstains_from_the_unknown_rule_like_from_the_empty_one() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[0], 0, 10_000);
+    let peers = ["a", "b"];
+    s.poll(&view(&peers), &book, 1_000);
+    s.on_answer(
+        &order_for(Some(&s), "a"),
+        FetchResult::NoSnapshot,
+        &view(&peers),
+        &mut book,
+        1_010,
+    );
+    let p = s.on_answer(
+        &order_for(Some(&s), "b"),
+        body(&[5], &[], 1_020),
+        &view(&peers),
+        &mut book,
+        1_020,
+    );
+    assert_eq!(p.unknown_to_fleet, vec![ob(0, 1, 0)]);
+    assert_eq!(
+        p.verdict.map(|v| v.kind()),
+        Some(VerdictKind::RanksResolved)
+    );
 }

@@ -13,6 +13,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use kvroute_snapshot::DecodeLimits;
+use kvroute_wire::snapshot::IndexSnapshot;
 use serde_json::{Value, json};
 
 use crate::bins::binaries;
@@ -110,6 +111,8 @@ pub struct RankStatus {
     pub lost_batches: u64,
     pub replays: u64,
     pub publisher_restarts: u64,
+    /// The router holds the rank's whole stream since its publisher's seq 0.
+    pub history_complete: bool,
 }
 
 impl RankStatus {
@@ -290,6 +293,7 @@ impl RouterProcess {
                     lost_batches: u("lost_batches"),
                     replays: u("replays"),
                     publisher_restarts: u("publisher_restarts"),
+                    history_complete: r["history_complete"].as_bool().unwrap_or(false),
                 });
             }
         }
@@ -365,6 +369,16 @@ impl RouterProcess {
 
     /// The replica's whole index, freshly exported, as a canonical view.
     pub async fn view(&self) -> Result<IndexView, String> {
+        // No cursor yet: an index that has applied nothing holds nothing.
+        Ok(self
+            .snapshot()
+            .await?
+            .map_or_else(IndexView::default, |s| IndexView::from_snapshot(&s)))
+    }
+
+    /// The replica's snapshot as a sibling would receive it (a fresh export, JSON); `None` while
+    /// its index has no cursor (503).
+    pub async fn snapshot(&self) -> Result<Option<IndexSnapshot>, String> {
         let url = format!("{}/internal/kv_snapshot?max_age_ms=0", self.internal);
         let resp = client()
             .get(&url)
@@ -375,8 +389,7 @@ impl RouterProcess {
         let status = resp.status().as_u16();
         let bytes = resp.bytes().await.map_err(|e| format!("GET {url}: {e}"))?;
         if status == 503 {
-            // No cursor yet: an index that has applied nothing holds nothing.
-            return Ok(IndexView::default());
+            return Ok(None);
         }
         if status != 200 {
             return Err(format!(
@@ -384,9 +397,9 @@ impl RouterProcess {
                 String::from_utf8_lossy(&bytes)
             ));
         }
-        let snapshot = kvroute_snapshot::decode_json(&bytes, &DecodeLimits::default())
-            .map_err(|e| format!("GET {url}: undecodable snapshot: {e}"))?;
-        Ok(IndexView::from_snapshot(&snapshot))
+        kvroute_snapshot::decode_json(&bytes, &DecodeLimits::default())
+            .map(Some)
+            .map_err(|e| format!("GET {url}: undecodable snapshot: {e}"))
     }
 
     pub async fn metrics(&self) -> String {

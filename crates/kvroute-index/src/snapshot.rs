@@ -544,6 +544,8 @@ impl IndexReader {
             producer_ready: false,
             ranks: table.iter().map(|(_, r)| r.rank_ref.clone()).collect(),
             cursors,
+            // Every rank carrying nothing; the index cannot know whether it saw a rank's whole
+            // history, so the service narrows this to the ranks whose history was complete.
             empty_ranks: carried_per_rank
                 .iter()
                 .enumerate()

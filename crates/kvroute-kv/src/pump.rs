@@ -45,7 +45,7 @@ use tokio_util::sync::CancellationToken;
 use crate::bootstrap::{BootstrapEvent, GraftDisposition, GraftReceipt, GraftTarget};
 use crate::metrics::{KvMetrics, TIER_LABELS};
 use crate::rank_state::{Action, BootstrapOutcome, HeldCost, Phase, RankMachine, ReplayAnswer};
-use crate::status::{BootstrapState, RankKey, StatusTable};
+use crate::status::{BootstrapState, RankKey, SequencingProgress, StatusTable};
 use crate::transport::KvSource;
 
 /// Messages queued to one model's pump before senders wait.
@@ -837,9 +837,12 @@ impl<S: KvSource> Pump<S> {
         self.status.update_from_pump(
             key,
             rank.incarnation,
-            rank.machine.cursor(),
-            rank.machine.counters(),
-            replaying,
+            SequencingProgress {
+                cursor: rank.machine.cursor(),
+                history_complete: rank.machine.history_complete(),
+                counters: rank.machine.counters(),
+                replaying,
+            },
             &self.metrics,
         );
         if let Some(stats) = self.writer.reader().rank_stats(rank.rank_id) {

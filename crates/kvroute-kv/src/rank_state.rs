@@ -108,6 +108,15 @@ pub const BOOTSTRAP_HELD_BYTES_MAX: u64 = 4 * 1024 * 1024;
 /// is back under it.
 pub const BOOTSTRAP_HELD_BYTES_TOTAL_MAX: u64 = 256 * 1024 * 1024;
 
+/// A rank registered without bootstrap whose FIRST live batch has a seq in `1..=` this asks the
+/// engine's replay from seq 0 before applying it. A stream seen first so close to its origin was
+/// joined around the publisher's start, and the batches before it were lost to the subscription's
+/// slow join or withheld; the engine's replay buffer still holds them, and without them the rank's
+/// first blocks would be invisible for as long as the engine keeps them. Farther from the origin
+/// the router simply joined mid-stream (that is the bootstrap's job), and replaying a long buffer
+/// per rank at every start would cost more than it recovers.
+pub const ORIGIN_REPLAY_FIRST_SEQ_MAX: i64 = 16;
+
 /// Unanswered sibling-cursor probes of a deferred splice proof before the graft is kept as
 /// `warm_unwitnessed`; bounded so a replica alone in its fleet settles instead of probing forever.
 pub const SPLICE_PROBE_ROUNDS_MAX: u32 = 3;
@@ -343,6 +352,11 @@ pub struct RankMachine<B> {
     /// The one gap retry of a bootstrap is still available.
     retry_available: bool,
     outcome: Option<BootstrapOutcome>,
+    /// The index holds every effect of the current publisher's stream since its seq 0: the
+    /// stream was applied from batch 0 with no batch lost, or a bootstrap proved a graft or a
+    /// rebuild that reaches back to it. Only then may "this rank carries nothing" be told to a
+    /// sibling as "the engine holds nothing" (a snapshot's `empty_ranks`).
+    history_complete: bool,
 }
 
 impl<B: Stamped + HeldCost> RankMachine<B> {
@@ -358,6 +372,7 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
             counters: RankCounters::default(),
             retry_available: false,
             outcome: None,
+            history_complete: false,
         }
     }
 
@@ -408,6 +423,12 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
 
     pub fn phase(&self) -> &Phase<B> {
         &self.phase
+    }
+
+    /// Whether the index holds the publisher's whole stream since its seq 0 (see the field). False
+    /// while bootstrapping, after a lost batch, and after a restart until the new batch 0 applies.
+    pub fn history_complete(&self) -> bool {
+        self.history_complete && !self.is_bootstrapping()
     }
 
     pub fn counters(&self) -> RankCounters {
@@ -548,6 +569,7 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         self.counters.publisher_restarts += 1;
         out.push(Action::PublisherRestarted);
         out.push(Action::ClearRank);
+        self.history_complete = false;
         // -1, not None: the new publisher counts from 0, so a first live seq > 0 is a gap that
         // replay can fill from the new publisher's buffer.
         self.cursor = Some(-1);
@@ -557,6 +579,11 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
     fn on_live_batch_while_live(&mut self, seq: i64, batch: B, out: &mut Vec<Action<B>>) {
         match self.cursor {
             Some(c) if seq > c + 1 && self.has_replay => {
+                self.start_replay(Some(seq), VecDeque::from([(seq, batch)]), out);
+            }
+            // A young stream joined just after its origin: fetch the batches before it from the
+            // engine (a replay from 0, since there is no cursor to verify).
+            None if self.has_replay && (1..=ORIGIN_REPLAY_FIRST_SEQ_MAX).contains(&seq) => {
                 self.start_replay(Some(seq), VecDeque::from([(seq, batch)]), out);
             }
             _ => self.apply_in_order(seq, batch, out),
@@ -612,7 +639,12 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
                 let missing = (seq - c - 1) as u64;
                 self.counters.lost_batches += missing;
                 out.push(Action::Lost { batches: missing });
+                self.history_complete = false;
             }
+        }
+        if seq == 0 && matches!(self.cursor, None | Some(-1)) {
+            // The publisher's first batch, applied before any other of its stream.
+            self.history_complete = true;
         }
         self.cursor = Some(seq);
         self.cursor_ts = Some(batch.ts());
@@ -791,6 +823,7 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         } else {
             BootstrapOutcome::PublisherReset
         };
+        self.history_complete = false;
         self.record_outcome(outcome, out);
         // As after a live restart: the new publisher counts from 0, so a first seq past it is a
         // gap the replay socket may still fill.
@@ -899,11 +932,12 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         // nothing held, an empty answer is an engine that has published nothing yet.
         let contiguous = prefix.iter().zip(0..).all(|((s, _), want)| *s == want);
         let reaches_held = first_held.is_none_or(|f| prefix.len() as i64 == f);
-        // When the siblings named the rank `empty`, the engine is the witness: a replay holding
-        // nothing (and nothing held) confirms it; batches it cannot rebuild from prove the rank
-        // is NOT empty, only unrecoverable, which is `abandoned`.
+        // The engine is the witness: a replay from seq 0 holding nothing, with nothing held
+        // live, is a publisher that has published nothing, so the rank holds nothing (`empty`,
+        // whatever the siblings said). When the siblings named it empty, batches it cannot
+        // rebuild from prove the rank is NOT empty, only unrecoverable, which is `abandoned`.
         let siblings_said_empty = fallback == BootstrapOutcome::Empty;
-        let outcome = if siblings_said_empty && prefix.is_empty() && first_held.is_none() {
+        let outcome = if prefix.is_empty() && first_held.is_none() {
             BootstrapOutcome::Empty
         } else if contiguous && reaches_held {
             BootstrapOutcome::FromEngineReplay
@@ -960,6 +994,7 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
     /// (holding on, batches kept, no cursor) or run cold (`gap`).
     fn fall_back(&mut self, held: HeldBatches<B>, min_cursor: i64, out: &mut Vec<Action<B>>) {
         out.push(Action::DiscardGraft);
+        self.history_complete = false;
         self.cursor = None;
         self.cursor_ts = None;
         if self.retry_available {
@@ -981,6 +1016,7 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         self.counters.publisher_restarts += 1;
         out.push(Action::PublisherRestarted);
         out.push(Action::ClearRank);
+        self.history_complete = false;
         self.record_outcome(BootstrapOutcome::PublisherReset, out);
         self.cursor = Some(-1);
         self.cursor_ts = None;
@@ -1012,6 +1048,7 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
     fn overflow(&mut self, out: &mut Vec<Action<B>>) {
         if matches!(self.phase, Phase::Healing { .. }) {
             out.push(Action::DiscardGraft);
+            self.history_complete = false;
             self.cursor = None;
             self.cursor_ts = None;
         }
@@ -1064,6 +1101,17 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
     ) {
         self.phase = Phase::Live;
         self.record_outcome(outcome, out);
+        // Outcomes that prove the index reaches back to the publisher's origin; a batch lost
+        // while the held ones apply below takes that back. `warm_unwitnessed` proves nothing.
+        if matches!(
+            outcome,
+            BootstrapOutcome::Warm
+                | BootstrapOutcome::FromOrigin
+                | BootstrapOutcome::FromEngineReplay
+                | BootstrapOutcome::Empty
+        ) {
+            self.history_complete = true;
+        }
         for (s, b) in held.batches {
             self.apply_in_order(s, b, out);
         }
@@ -1125,6 +1173,18 @@ mod tests {
         Action::Apply { seq, batch }
     }
 
+    /// A machine that joined its stream at `seq`, past the origin, with that batch applied at
+    /// once: what a first live batch beyond [`ORIGIN_REPLAY_FIRST_SEQ_MAX`] does. The tables use
+    /// small seqs for readability, so they start here instead of through `on_live_batch`.
+    fn joined_mid_stream(has_replay: bool, seq: i64, b: &'static str) -> M {
+        let mut m = M::new(has_replay);
+        let mut out = Vec::new();
+        m.last_live_seq = Some(seq);
+        m.apply_in_order(seq, b, &mut out);
+        assert_eq!(out, vec![apply(seq, b)]);
+        m
+    }
+
     fn replaying_generation(m: &M) -> u64 {
         match m.phase() {
             Phase::Replaying { generation, .. } => *generation,
@@ -1140,6 +1200,110 @@ mod tests {
     }
 
     #[test]
+    fn first_batch_near_the_origin_replays_from_seq_zero_before_applying_it() {
+        let mut m = M::new(true);
+        assert_eq!(
+            live(&mut m, 3, "d"),
+            vec![Action::StartReplay {
+                generation: 0,
+                from_seq: 0,
+                stop_before: Some(3)
+            }]
+        );
+        assert_eq!(m.cursor(), None, "nothing applied while the replay runs");
+        let mut out = Vec::new();
+        m.on_replay_answer(
+            0,
+            ReplayAnswer::Batches(vec![(0, "a"), (1, "b"), (2, "c")]),
+            &mut out,
+        );
+        assert_eq!(
+            out,
+            vec![
+                apply(0, "a"),
+                apply(1, "b"),
+                apply(2, "c"),
+                apply(3, "d"),
+                Action::ReplayFinished {
+                    outcome: ReplayOutcome::Repaired
+                }
+            ]
+        );
+        assert!(m.history_complete());
+    }
+
+    #[test]
+    fn first_batch_one_past_the_origin_window_applies_at_once_with_unknown_history() {
+        let mut m = M::new(true);
+        let seq = ORIGIN_REPLAY_FIRST_SEQ_MAX + 1;
+        assert_eq!(live(&mut m, seq, "a"), vec![apply(seq, "a")]);
+        assert!(!m.history_complete());
+        let mut m = M::new(true);
+        let seq = ORIGIN_REPLAY_FIRST_SEQ_MAX;
+        assert!(matches!(
+            live(&mut m, seq, "a")[..],
+            [Action::StartReplay { .. }]
+        ));
+    }
+
+    #[test]
+    fn first_batch_near_the_origin_without_a_replay_socket_applies_at_once() {
+        let mut m = M::new(false);
+        assert_eq!(live(&mut m, 3, "d"), vec![apply(3, "d")]);
+        assert!(!m.history_complete());
+    }
+
+    #[test]
+    fn failed_origin_replay_applies_the_first_batch_with_unknown_history() {
+        let mut m = M::new(true);
+        live(&mut m, 2, "c");
+        let mut out = Vec::new();
+        m.on_replay_answer(0, ReplayAnswer::Failed, &mut out);
+        assert_eq!(
+            out,
+            vec![
+                apply(2, "c"),
+                Action::ReplayFinished {
+                    outcome: ReplayOutcome::Failed
+                }
+            ]
+        );
+        assert!(!m.history_complete());
+    }
+
+    #[test]
+    fn a_stream_applied_from_seq_zero_is_complete_until_a_batch_is_lost() {
+        let mut m = M::new(false);
+        live(&mut m, 0, "a");
+        live(&mut m, 1, "b");
+        assert!(m.history_complete());
+        live(&mut m, 3, "d");
+        assert_eq!(m.counters().lost_batches, 1);
+        assert!(!m.history_complete());
+    }
+
+    #[test]
+    fn a_restart_is_complete_again_once_the_new_batch_zero_applies() {
+        let mut m = M::new(false);
+        live(&mut m, 0, "a");
+        live(&mut m, 1, "b");
+        live(&mut m, 0, "x");
+        assert_eq!(m.counters().publisher_restarts, 1);
+        assert!(
+            m.history_complete(),
+            "the new publisher was seen from its origin"
+        );
+        // A restart caught past the new origin, without replay, misses the first batches.
+        let mut m = M::new(false);
+        for (seq, b) in [(0, "a"), (1, "b"), (2, "c")] {
+            live(&mut m, seq, b);
+        }
+        live(&mut m, 1, "y");
+        assert_eq!(m.counters().publisher_restarts, 1);
+        assert!(!m.history_complete());
+    }
+
+    #[test]
     fn consecutive_batches_are_applied_and_advance_the_cursor() {
         let mut m = M::new(true);
         live(&mut m, 0, "a");
@@ -1150,8 +1314,7 @@ mod tests {
 
     #[test]
     fn batch_at_or_below_the_cursor_is_a_counted_duplicate() {
-        let mut m = M::new(true);
-        live(&mut m, 5, "a");
+        let mut m = joined_mid_stream(true, 5, "a");
         live(&mut m, 6, "b");
         // A re-delivery equal to the cursor, with the live stream not going backwards.
         let mut out = Vec::new();
@@ -1167,8 +1330,7 @@ mod tests {
 
     #[test]
     fn seq_zero_after_a_cursor_past_zero_is_a_restart_that_clears_then_applies() {
-        let mut m = M::new(true);
-        live(&mut m, 9, "a");
+        let mut m = joined_mid_stream(true, 9, "a");
         let out = live(&mut m, 0, "new");
         assert_eq!(
             out,
@@ -1253,8 +1415,7 @@ mod tests {
 
     #[test]
     fn batch_at_cursor_plus_two_starts_a_replay_and_holds_live_batches() {
-        let mut m = M::new(true);
-        live(&mut m, 3, "a");
+        let mut m = joined_mid_stream(true, 3, "a");
         let out = live(&mut m, 5, "c");
         // From the cursor itself: the engine's batch 3 is the witness that it is the same publisher.
         assert_eq!(
@@ -1272,8 +1433,7 @@ mod tests {
 
     #[test]
     fn replay_answer_fills_the_gap_then_applies_held_batches_once_in_order() {
-        let mut m = M::new(true);
-        live(&mut m, 3, "a");
+        let mut m = joined_mid_stream(true, 3, "a");
         live(&mut m, 5, "c");
         live(&mut m, 6, "d");
         let mut out = Vec::new();
@@ -1301,8 +1461,7 @@ mod tests {
 
     #[test]
     fn replay_missing_part_of_the_gap_is_incomplete_and_counts_the_rest_lost() {
-        let mut m = M::new(true);
-        live(&mut m, 3, "a");
+        let mut m = joined_mid_stream(true, 3, "a");
         live(&mut m, 8, "h");
         let mut out = Vec::new();
         // Buffer no longer has 4 and 5.
@@ -1324,8 +1483,7 @@ mod tests {
 
     #[test]
     fn failed_replay_counts_the_gap_lost_and_continues_from_the_live_stream() {
-        let mut m = M::new(true);
-        live(&mut m, 3, "a");
+        let mut m = joined_mid_stream(true, 3, "a");
         live(&mut m, 6, "d");
         live(&mut m, 7, "e");
         let mut out = Vec::new();
@@ -1345,8 +1503,7 @@ mod tests {
 
     #[test]
     fn gap_without_a_replay_endpoint_counts_lost_and_applies() {
-        let mut m = M::new(false);
-        live(&mut m, 3, "a");
+        let mut m = joined_mid_stream(false, 3, "a");
         assert_eq!(
             live(&mut m, 7, "e"),
             vec![Action::Lost { batches: 3 }, apply(7, "e")]
@@ -1356,8 +1513,7 @@ mod tests {
 
     #[test]
     fn stale_replay_answer_is_ignored() {
-        let mut m = M::new(true);
-        live(&mut m, 3, "a");
+        let mut m = joined_mid_stream(true, 3, "a");
         live(&mut m, 5, "c");
         let mut out = Vec::new();
         m.on_replay_answer(7, ReplayAnswer::Batches(vec![(4, "b")]), &mut out);
@@ -1401,8 +1557,7 @@ mod tests {
 
     #[test]
     fn restart_while_replaying_drops_held_batches_and_the_old_replay() {
-        let mut m = M::new(true);
-        live(&mut m, 10, "a");
+        let mut m = joined_mid_stream(true, 10, "a");
         live(&mut m, 12, "c");
         let out = live(&mut m, 0, "n0");
         assert_eq!(
@@ -1424,8 +1579,7 @@ mod tests {
 
     #[test]
     fn duplicate_live_batch_while_replaying_is_not_held_twice() {
-        let mut m = M::new(true);
-        live(&mut m, 1, "a");
+        let mut m = joined_mid_stream(true, 1, "a");
         let mut out = Vec::new();
         m.on_reconnect(&mut out);
         assert_eq!(live(&mut m, 1, "a"), vec![Action::Duplicate { seq: 1 }]);
@@ -1434,8 +1588,7 @@ mod tests {
 
     #[test]
     fn reconnect_with_a_cursor_replays_from_the_cursor_to_verify_it() {
-        let mut m = M::new(true);
-        live(&mut m, 4, "a");
+        let mut m = joined_mid_stream(true, 4, "a");
         let mut out = Vec::new();
         m.on_reconnect(&mut out);
         assert_eq!(
@@ -1481,8 +1634,7 @@ mod tests {
 
     #[test]
     fn reconnect_while_already_replaying_starts_no_second_replay() {
-        let mut m = M::new(true);
-        live(&mut m, 1, "a");
+        let mut m = joined_mid_stream(true, 1, "a");
         live(&mut m, 3, "c");
         let mut out = Vec::new();
         m.on_reconnect(&mut out);
@@ -1492,8 +1644,7 @@ mod tests {
 
     #[test]
     fn replayed_batches_never_reapply_below_the_cursor() {
-        let mut m = M::new(true);
-        live(&mut m, 4, "a");
+        let mut m = joined_mid_stream(true, 4, "a");
         let mut out = Vec::new();
         m.on_reconnect(&mut out);
         out.clear();
@@ -1517,8 +1668,7 @@ mod tests {
 
     #[test]
     fn replay_witness_at_the_cursor_is_neither_applied_nor_a_duplicate() {
-        let mut m = M::new(true);
-        live(&mut m, 3, "a");
+        let mut m = joined_mid_stream(true, 3, "a");
         live(&mut m, 5, "c");
         let mut out = Vec::new();
         m.on_replay_answer(
@@ -1541,8 +1691,7 @@ mod tests {
 
     #[test]
     fn replay_whose_cursor_batch_differs_is_a_restart_and_replays_from_origin() {
-        let mut m = M::new(true);
-        live(&mut m, 3, "old3");
+        let mut m = joined_mid_stream(true, 3, "old3");
         let mut out = Vec::new();
         m.on_reconnect(&mut out);
         // A new publisher has already counted past 3 while the SUB was away.

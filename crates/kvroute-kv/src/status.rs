@@ -85,6 +85,15 @@ impl SubscriberState {
     }
 }
 
+/// What the pump reports of a rank's sequencing after each step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SequencingProgress {
+    pub cursor: Option<i64>,
+    pub history_complete: bool,
+    pub counters: RankCounters,
+    pub replaying: bool,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct RankStatus {
     pub worker_url: String,
@@ -99,6 +108,10 @@ pub struct RankStatus {
     pub lost_batches: u64,
     pub replays: u64,
     pub publisher_restarts: u64,
+    /// The index holds the publisher's whole stream since its seq 0 (see
+    /// [`RankMachine::history_complete`](crate::rank_state::RankMachine::history_complete)):
+    /// only such a rank may be named empty to a sibling.
+    pub history_complete: bool,
     /// Where the rank's peer bootstrap is (`Off` when registered without one).
     pub bootstrap: BootstrapState,
     /// Batches (and their estimated bytes) the bootstrap holds back from the index: held by the
@@ -142,6 +155,7 @@ impl StatusTable {
             lost_batches: 0,
             replays: 0,
             publisher_restarts: 0,
+            history_complete: false,
             bootstrap: BootstrapState::Off,
             held_batches: 0,
             held_bytes: 0,
@@ -177,13 +191,18 @@ impl StatusTable {
         &self,
         key: &RankKey,
         incarnation: u64,
-        cursor: Option<i64>,
-        counters: RankCounters,
-        replaying: bool,
+        progress: SequencingProgress,
         metrics: &KvMetrics,
     ) {
+        let SequencingProgress {
+            cursor,
+            history_complete,
+            counters,
+            replaying,
+        } = progress;
         self.update_current(key, incarnation, |e| {
             e.status.cursor = cursor;
+            e.status.history_complete = history_complete;
             e.status.applied_batches = counters.applied_batches;
             e.status.duplicate_batches = counters.duplicate_batches;
             e.status.lost_batches = counters.lost_batches;

@@ -79,7 +79,9 @@ pub struct IndexSnapshot {
     pub producer_ready: bool,
     pub ranks: Vec<RankRef>,
     pub cursors: Vec<RankCursor>,
-    /// Live ranks that carry nothing (a fresh engine), by rank index.
+    /// Ranks that carry nothing AND whose whole stream since its publisher's seq 0 the producer
+    /// has applied (so the engine holds nothing for them), by rank index. A rank the producer
+    /// joined mid-stream, or lost batches of, is never listed, even when it carries nothing.
     pub empty_ranks: Vec<u32>,
     pub nodes: SnapshotNodes,
 }

@@ -33,6 +33,14 @@ pub fn live() -> Vec<(RankRef, RankId)> {
 /// A ready snapshot over ranks `0..LIVE_RANKS`: each `covered` rank carries a two-block chain
 /// and has cursor `(10 + rank, 0.5)`; each `empty` rank is listed in `empty_ranks`.
 pub fn snapshot(covered: &[u32], empty: &[u32]) -> IndexSnapshot {
+    let all: Vec<u32> = (0..LIVE_RANKS).collect();
+    snapshot_listing(&all, covered, empty)
+}
+
+/// As [`snapshot`], but the producer's rank table lists only `listed` (it has not registered
+/// the other workers); `covered` and `empty` must be among them.
+pub fn snapshot_listing(listed: &[u32], covered: &[u32], empty: &[u32]) -> IndexSnapshot {
+    let pos = |r: u32| listed.iter().position(|&l| l == r).expect("listed") as u32;
     let mut nodes = SnapshotNodes::default();
     for &r in covered {
         let root = nodes.parent.len() as u32;
@@ -40,7 +48,7 @@ pub fn snapshot(covered: &[u32], empty: &[u32]) -> IndexSnapshot {
             let hash = (u64::from(r) << 8) | i as u64;
             nodes.parent.push(parent);
             nodes.content_hash.push(hash);
-            nodes.carrier_rank.push(r);
+            nodes.carrier_rank.push(pos(r));
             nodes.carrier_tiers.push(1);
             nodes.carrier_engine_hash.push(!hash);
             nodes.carrier_end.push(nodes.carrier_rank.len() as u32);
@@ -51,23 +59,27 @@ pub fn snapshot(covered: &[u32], empty: &[u32]) -> IndexSnapshot {
         hash_scheme: HASH_SCHEME.to_string(),
         block_size: BLOCK,
         producer_ready: true,
-        ranks: (0..LIVE_RANKS).map(rank_ref).collect(),
+        ranks: listed.iter().map(|&r| rank_ref(r)).collect(),
         cursors: covered
             .iter()
             .map(|&r| RankCursor {
-                rank: r,
+                rank: pos(r),
                 seq: 10 + i64::from(r),
                 ts: 0.5,
             })
             .collect(),
-        empty_ranks: empty.to_vec(),
+        empty_ranks: empty.iter().map(|&r| pos(r)).collect(),
         nodes,
     }
 }
 
 pub fn vetted(covered: &[u32], empty: &[u32]) -> VettedSnapshot {
+    vet_snapshot(&snapshot(covered, empty))
+}
+
+fn vet_snapshot(snapshot: &IndexSnapshot) -> VettedSnapshot {
     let live = live();
-    let body = encode_binary_to_vec(&snapshot(covered, empty), &EncodeOptions::default()).unwrap();
+    let body = encode_binary_to_vec(snapshot, &EncodeOptions::default()).unwrap();
     vet(
         &body,
         BodyEncoding::binary(),
@@ -85,6 +97,22 @@ pub fn vetted(covered: &[u32], empty: &[u32]) -> VettedSnapshot {
 pub fn body(covered: &[u32], empty: &[u32], received_ms: u64) -> FetchResult {
     FetchResult::Body {
         vetted: Ok(vetted(covered, empty)),
+        stamp: ExportStamp {
+            received_ms,
+            age_ms: Some(0),
+        },
+    }
+}
+
+/// A 200 answer from a producer whose rank table lists only `listed`; see [`snapshot_listing`].
+pub fn body_listing(
+    listed: &[u32],
+    covered: &[u32],
+    empty: &[u32],
+    received_ms: u64,
+) -> FetchResult {
+    FetchResult::Body {
+        vetted: Ok(vet_snapshot(&snapshot_listing(listed, covered, empty))),
         stamp: ExportStamp {
             received_ms,
             age_ms: Some(0),

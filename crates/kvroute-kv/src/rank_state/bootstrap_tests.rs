@@ -246,8 +246,9 @@ fn release_of_a_rank_proving_its_graft_is_refused() {
 fn a_rank_registered_without_bootstrap_never_holds() {
     let mut m = M::new(true);
     assert!(!m.is_bootstrapping());
-    assert_eq!(live(&mut m, 7, "b7"), vec![apply(7, "b7")]);
-    let (took, out) = graft(&mut m, 9, "b9");
+    // Past ORIGIN_REPLAY_FIRST_SEQ_MAX, so the first batch applies at once.
+    assert_eq!(live(&mut m, 70, "b70"), vec![apply(70, "b70")]);
+    let (took, out) = graft(&mut m, 72, "b72");
     assert!(!took);
     assert!(out.is_empty());
 }
@@ -866,12 +867,13 @@ fn a_rank_the_siblings_call_empty_is_rebuilt_when_the_engine_replays_from_origin
     let out = replay(&mut m, 0, vec![(6, "b6"), (7, "b7")]);
     assert_eq!(outcomes(&out), vec![BootstrapOutcome::Abandoned]);
     assert_eq!(applied(&out), vec![6, 7]);
-    // With another fallback an empty buffer stays what it was: a rebuild of nothing.
+    // With another fallback an empty buffer is the engine's own word that the rank holds
+    // nothing: `empty` too (see the test after the history tests below).
     let mut m = boot(true);
     let mut out = Vec::new();
     m.on_engine_rebuild(BootstrapOutcome::Abandoned, &mut out);
     let out = replay(&mut m, 0, vec![]);
-    assert_eq!(outcomes(&out), vec![BootstrapOutcome::FromEngineReplay]);
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::Empty]);
 }
 
 #[test]
@@ -978,4 +980,104 @@ fn outcome_labels_are_the_metric_names() {
     for (outcome, label) in all {
         assert_eq!(outcome.label(), label);
     }
+}
+
+// ---- what the rank may tell a sibling: is its history complete since the origin? ----
+
+#[test]
+fn a_proven_splice_completes_the_history_and_an_unwitnessed_graft_does_not() {
+    let mut m = boot(false);
+    hold(&mut m, &[(6, "b6")]);
+    assert!(!m.history_complete(), "holding knows nothing yet");
+    graft(&mut m, 5, "b5");
+    assert_eq!(m.outcome(), Some(BootstrapOutcome::Warm));
+    assert!(m.history_complete());
+
+    let mut m = boot(false);
+    let (_, out) = graft(&mut m, 5, "b5");
+    assert!(
+        !m.history_complete(),
+        "a deferred proof is still bootstrapping"
+    );
+    let mut g = probe_generation(&out);
+    for _ in 1..SPLICE_PROBE_ROUNDS_MAX {
+        g = probe_generation(&probe(&mut m, g, None));
+    }
+    probe(&mut m, g, None);
+    assert_eq!(m.outcome(), Some(BootstrapOutcome::WarmUnwitnessed));
+    assert!(!m.history_complete());
+}
+
+#[test]
+fn a_bootstrap_released_cold_mid_stream_has_no_complete_history() {
+    let mut m = boot(false);
+    hold(&mut m, &[(40, "b40"), (41, "b41")]);
+    let mut out = Vec::new();
+    assert!(m.on_release(BootstrapOutcome::Uncovered, &mut out));
+    assert_eq!(applied(&out), vec![40, 41]);
+    assert!(!m.history_complete());
+}
+
+#[test]
+fn a_rank_seen_from_its_first_batch_while_holding_has_a_complete_history() {
+    let mut m = boot(false);
+    live(&mut m, 0, "b0");
+    assert_eq!(m.outcome(), Some(BootstrapOutcome::FromOrigin));
+    assert!(m.history_complete());
+}
+
+#[test]
+fn a_discarded_graft_leaves_the_history_incomplete() {
+    let mut m = boot(false);
+    hold(&mut m, &[(9, "b9")]);
+    graft(&mut m, 5, "b5");
+    hold(&mut m, &[(12, "b12")]);
+    // The retry's snapshot still misses 10 and 11: the graft is discarded, the rank runs cold.
+    let (_, out) = graft(&mut m, 9, "b9");
+    assert!(out.contains(&Action::DiscardGraft), "second gap: {out:?}");
+    assert_eq!(m.outcome(), Some(BootstrapOutcome::Gap));
+    assert!(!m.history_complete());
+}
+
+#[test]
+fn an_engine_rebuild_from_origin_completes_the_history() {
+    let mut m = boot(true);
+    hold(&mut m, &[(2, "b2")]);
+    let mut out = Vec::new();
+    assert!(m.on_engine_rebuild(BootstrapOutcome::Uncovered, &mut out));
+    let g = match m.phase() {
+        Phase::Rebuilding { generation, .. } => *generation,
+        other => panic!("expected Rebuilding, machine is {other:?}"),
+    };
+    replay(&mut m, g, vec![(0, "b0"), (1, "b1")]);
+    assert_eq!(m.outcome(), Some(BootstrapOutcome::FromEngineReplay));
+    assert!(m.history_complete());
+}
+
+#[test]
+fn an_engine_replay_from_origin_holding_nothing_settles_empty_whoever_released_the_rank() {
+    for fallback in [
+        BootstrapOutcome::Uncovered,
+        BootstrapOutcome::Abandoned,
+        BootstrapOutcome::Empty,
+    ] {
+        let mut m = boot(true);
+        let mut out = Vec::new();
+        assert!(m.on_engine_rebuild(fallback, &mut out));
+        let out = replay(&mut m, 0, vec![]);
+        assert_eq!(
+            outcomes(&out),
+            vec![BootstrapOutcome::Empty],
+            "{fallback:?}"
+        );
+        assert!(m.history_complete());
+    }
+    // A batch held live means the engine has published: the rank is not empty, and a replay
+    // that does not reach it cannot rebuild it.
+    let mut m = boot(true);
+    hold(&mut m, &[(1, "b1")]);
+    let mut out = Vec::new();
+    m.on_engine_rebuild(BootstrapOutcome::Uncovered, &mut out);
+    let out = replay(&mut m, 0, vec![]);
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::Uncovered]);
 }

@@ -826,12 +826,17 @@ impl Task {
 /// buffer (the outcome then stands only if the buffer cannot rebuild it):
 /// - `abandoned`: no sibling could seed it, but the buffer may still reach back to seq 0 (a young
 ///   engine, or the whole router fleet restarting);
-/// - `empty`: every sibling names it empty, but a sibling that holds the rank itself while it
-///   bootstraps (an engine registered on every replica at once) carries nothing for it either,
-///   so "empty" may be silence. The engine is the witness: an empty buffer confirms `empty`,
-///   batches from seq 0 rebuild the rank exactly.
+/// - `empty`: every sibling names it empty. Siblings name a rank empty only when they hold its
+///   whole history, but the engine is still the better witness: an empty buffer confirms
+///   `empty`, batches from seq 0 rebuild the rank exactly;
+/// - `uncovered`: no sibling knows the rank (they hold it in their own bootstrap, or joined its
+///   stream mid-way, e.g. an engine registered on every replica at once), or the snapshot never
+///   spoke for it; the engine may still hold its whole stream, or say it holds nothing.
 fn asks_the_engine_first(outcome: Outcome) -> bool {
-    matches!(outcome, Outcome::Abandoned | Outcome::Empty)
+    matches!(
+        outcome,
+        Outcome::Abandoned | Outcome::Empty | Outcome::Uncovered
+    )
 }
 
 /// Vets a sibling's answer against this replica's live ranks of `model`, on the blocking pool.
@@ -928,11 +933,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_rank_the_siblings_name_empty_is_checked_against_its_engine_before_it_settles() {
+    fn ranks_released_without_a_graft_are_checked_against_their_engine_before_they_settle() {
         assert!(asks_the_engine_first(Outcome::Empty));
         assert!(asks_the_engine_first(Outcome::Abandoned));
+        assert!(asks_the_engine_first(Outcome::Uncovered));
         for o in Outcome::ALL {
-            if !matches!(o, Outcome::Empty | Outcome::Abandoned) {
+            if !matches!(o, Outcome::Empty | Outcome::Abandoned | Outcome::Uncovered) {
                 assert!(!asks_the_engine_first(o), "{o:?}");
             }
         }

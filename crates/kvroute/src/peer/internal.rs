@@ -367,6 +367,11 @@ async fn kv_snapshot(
                 &view.reader,
                 ExportRequest { arrival, max_age },
                 move || readiness::evaluate(&gates).ready,
+                {
+                    let router = s.router.clone();
+                    let model = model.clone();
+                    move || router.kv.ranks_with_complete_history(&model)
+                },
             )
             .await?;
         let bytes = producer.encoded(&export, format, compression).await?;

@@ -26,7 +26,7 @@
 //! through a byte-limited writer, so an export over `kv_snapshot_max_bytes` is refused as soon
 //! as the limit is passed, without buffering the rest.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -267,6 +267,24 @@ pub enum ExportSource {
     Built,
 }
 
+/// Keeps in `empty_ranks` (the index's "ranks carrying nothing") only the ranks whose whole
+/// history this replica held both before and after the walk. A rank this replica joined
+/// mid-stream, or lost batches of, may carry nothing here while its engine holds blocks; naming
+/// it empty would let a booting sibling settle `empty` on a blind replica's word. Judged on both
+/// sides of the walk so a rank that lost a batch (or restarted) during it is left out.
+fn retain_proven_empty(
+    snapshot: &mut IndexSnapshot,
+    complete_before: &HashSet<RankRef>,
+    complete_after: &HashSet<RankRef>,
+) {
+    let ranks = &snapshot.ranks;
+    snapshot.empty_ranks.retain(|&r| {
+        ranks
+            .get(r as usize)
+            .is_some_and(|rank| complete_before.contains(rank) && complete_after.contains(rank))
+    });
+}
+
 /// The cached, single-flight snapshot producer of one router.
 pub struct SnapshotProducer {
     slots: Mutex<HashMap<String, ModelSlot>>,
@@ -292,13 +310,15 @@ impl SnapshotProducer {
     }
 
     /// An export of `model` young enough for `req`: the cached one, the one being built, or a
-    /// new one. `replica_ready` is evaluated only if a new build starts.
+    /// new one. `replica_ready` is evaluated only if a new build starts; `complete_ranks` (the
+    /// ranks whose whole history the index holds) is asked before and after the walk.
     pub async fn export(
         self: &Arc<Self>,
         model: &str,
         reader: &IndexReader,
         req: ExportRequest,
         replica_ready: impl FnOnce() -> bool,
+        complete_ranks: impl Fn() -> HashSet<RankRef> + Send + 'static,
     ) -> Result<(Arc<Export>, ExportSource), ProduceError> {
         let (future, source) = {
             let mut slots = self.slots.lock();
@@ -323,8 +343,14 @@ impl SnapshotProducer {
                         .try_acquire_owned()
                         .map_err(|_| ProduceError::Busy)?;
                     let stamp = Instant::now();
-                    let fut =
-                        self.start_build(model, reader.clone(), stamp, permit, replica_ready());
+                    let fut = self.start_build(
+                        model,
+                        reader.clone(),
+                        stamp,
+                        permit,
+                        replica_ready(),
+                        complete_ranks,
+                    );
                     slot.building = Some((stamp, fut.clone()));
                     (fut, ExportSource::Built)
                 }
@@ -341,6 +367,7 @@ impl SnapshotProducer {
         stamp: Instant,
         permit: tokio::sync::OwnedSemaphorePermit,
         replica_ready: bool,
+        complete_ranks: impl Fn() -> HashSet<RankRef> + Send + 'static,
     ) -> BuildFuture {
         self.metrics.builds.inc();
         let walk_seconds = self.metrics.export_seconds.with_label_values(&["walk"]);
@@ -352,8 +379,11 @@ impl SnapshotProducer {
                 let started = Instant::now();
                 // Judged before the walk, like the cursors the export reads first.
                 let has_cursor = index_has_cursor(&reader);
+                let complete_before = complete_ranks();
                 let (mut snapshot, report) = reader.export_snapshot_with_report();
                 snapshot.producer_ready = replica_ready && has_cursor;
+                let carrying_nothing = snapshot.empty_ranks.len();
+                retain_proven_empty(&mut snapshot, &complete_before, &complete_ranks());
                 walk_seconds.observe(started.elapsed().as_secs_f64());
                 tracing::debug!(
                     model = %model_name,
@@ -361,6 +391,8 @@ impl SnapshotProducer {
                     carried = snapshot.nodes.carried_blocks(),
                     cursors_advanced = report.cursors_advanced,
                     cursors_withheld = report.cursors_withheld,
+                    empty_ranks = snapshot.empty_ranks.len(),
+                    empty_unproven = carrying_nothing - snapshot.empty_ranks.len(),
                     walk_ms = started.elapsed().as_millis() as u64,
                     "index exported"
                 );
@@ -519,6 +551,67 @@ mod tests {
         Arc::new(SnapshotProducer::new(metrics, None, 1 << 20))
     }
 
+    fn rank(n: u16) -> RankRef {
+        RankRef {
+            worker_url: format!("http://127.0.0.1:{n}"),
+            dp_rank: 0,
+        }
+    }
+
+    /// Every rank of [`reader`]'s index has its whole history.
+    fn all_complete() -> HashSet<RankRef> {
+        HashSet::from([rank(1)])
+    }
+
+    #[tokio::test]
+    async fn only_ranks_with_a_complete_history_are_named_empty() {
+        let (mut w, r) = PrefixIndex::new(IndexConfig::new(4));
+        for n in [1, 2, 3] {
+            let id = w.add_rank(rank(n));
+            w.set_cursor(id, Some((3, 1.5)));
+        }
+        let p = producer();
+        let (export, _) = p
+            .export(
+                "m",
+                &r,
+                request(0),
+                || true,
+                || HashSet::from([rank(1), rank(3)]),
+            )
+            .await
+            .unwrap();
+        let named: Vec<&RankRef> = export
+            .snapshot
+            .empty_ranks
+            .iter()
+            .map(|&i| &export.snapshot.ranks[i as usize])
+            .collect();
+        assert_eq!(named, vec![&rank(1), &rank(3)], "rank 2 joined mid-stream");
+    }
+
+    #[test]
+    fn a_rank_whose_history_broke_during_the_walk_is_not_named_empty() {
+        let mut s = IndexSnapshot {
+            format: SNAPSHOT_FORMAT,
+            hash_scheme: String::new(),
+            block_size: 4,
+            producer_ready: true,
+            ranks: vec![rank(1), rank(2)],
+            cursors: vec![],
+            empty_ranks: vec![0, 1, 7],
+            nodes: Default::default(),
+        };
+        let before = HashSet::from([rank(1), rank(2)]);
+        let after = HashSet::from([rank(1)]);
+        retain_proven_empty(&mut s, &before, &after);
+        assert_eq!(
+            s.empty_ranks,
+            vec![0],
+            "rank 2 broke; index 7 names no rank"
+        );
+    }
+
     fn reader() -> IndexReader {
         let (mut w, r) = PrefixIndex::new(IndexConfig::new(4));
         let id = w.add_rank(RankRef {
@@ -544,10 +637,15 @@ mod tests {
             .clone()
             .try_acquire_many_owned(SNAPSHOT_CONCURRENT_EXPORTS_MAX as u32)
             .unwrap();
-        let r = p.export("m", &reader(), request(0), || true).await;
+        let r = p
+            .export("m", &reader(), request(0), || true, all_complete)
+            .await;
         assert!(matches!(r, Err(ProduceError::Busy)), "{:?}", r.err());
         drop(held);
-        let (export, source) = p.export("m", &reader(), request(0), || true).await.unwrap();
+        let (export, source) = p
+            .export("m", &reader(), request(0), || true, all_complete)
+            .await
+            .unwrap();
         assert_eq!(source, ExportSource::Built);
         assert!(export.snapshot.producer_ready);
         assert_eq!(p.metrics.builds.get(), 1);
@@ -558,7 +656,7 @@ mod tests {
         let p = producer();
         // Poll once (starts the detached build), then drop the request.
         assert!(
-            p.export("m", &reader(), request(0), || true)
+            p.export("m", &reader(), request(0), || true, all_complete)
                 .now_or_never()
                 .is_none_or(|r| r.is_ok())
         );
@@ -571,7 +669,7 @@ mod tests {
             tokio::task::yield_now().await;
         }
         let (_, source) = p
-            .export("m", &reader(), request(60_000), || true)
+            .export("m", &reader(), request(60_000), || true, all_complete)
             .await
             .unwrap();
         assert_eq!(source, ExportSource::Cached);
@@ -582,7 +680,7 @@ mod tests {
     async fn each_variant_is_encoded_once_per_export() {
         let p = producer();
         let (export, _) = p
-            .export("m", &reader(), request(0), || false)
+            .export("m", &reader(), request(0), || false, all_complete)
             .await
             .unwrap();
         assert!(!export.snapshot.producer_ready, "replica not ready");

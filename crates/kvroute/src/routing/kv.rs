@@ -301,6 +301,33 @@ impl KvBridge {
         })
     }
 
+    /// The ranks of `model` that this replica may name empty to a sibling: the index holds their
+    /// publisher's whole stream since seq 0, and no bootstrap step (a graft still being applied,
+    /// batches queued behind it) is between that knowledge and the index.
+    pub fn ranks_with_complete_history(
+        &self,
+        model: &str,
+    ) -> std::collections::HashSet<kvroute_wire::snapshot::RankRef> {
+        use kvroute_kv::status::BootstrapState;
+        self.plane
+            .rank_states()
+            .into_iter()
+            .filter(|s| {
+                s.model == model
+                    && s.history_complete
+                    && s.held_batches == 0
+                    && matches!(
+                        s.bootstrap,
+                        BootstrapState::Off | BootstrapState::Settled(_)
+                    )
+            })
+            .map(|s| kvroute_wire::snapshot::RankRef {
+                worker_url: s.worker_url,
+                dp_rank: s.dp_rank,
+            })
+            .collect()
+    }
+
     /// Per-rank KV state for `GET /workers` (cursor, subscriber state, counters).
     pub fn rank_states(&self, url: &str) -> Vec<serde_json::Value> {
         let mut states: Vec<_> = self
@@ -319,6 +346,7 @@ impl KvBridge {
                     "applied_batches": s.applied_batches, "duplicate_batches": s.duplicate_batches,
                     "lost_batches": s.lost_batches, "replays": s.replays,
                     "publisher_restarts": s.publisher_restarts,
+                    "history_complete": s.history_complete,
                     "bootstrap": {
                         "state": s.bootstrap.label(),
                         "outcome": s.bootstrap.outcome().map(|o| o.label()),
