@@ -11,8 +11,9 @@
 //!   never a candidate.
 //! * [`Sweep`] runs passes every [`PASS_INTERVAL_MS`] until a verdict: `found`, `no_peers`,
 //!   `fleet_cold`, `timed_out` or `ranks_resolved`. A body that vets but covers none of the
-//!   pending ranks does not end it; a rank settles `empty` mid-sweep once every candidate names
-//!   it in `empty_ranks` (a candidate that is itself cold or not ready abstains), and is handed
+//!   pending ranks does not end it; a rank no sibling covers settles `empty` mid-sweep once a
+//!   sibling names it in `empty_ranks` and every other has answered (a candidate that is itself
+//!   cold or not ready abstains, a silent one vetoes), and is handed
 //!   to the engine as `unknown to the fleet` once every candidate that answered with a vetted body
 //!   lists the rank and knows nothing of it (a booting sibling holding it too, a sibling that
 //!   joined its stream mid-way): waiting would only wait for the deadline.
@@ -701,20 +702,26 @@ impl<P: Ord + Clone> Sweep<P> {
         out
     }
 
-    /// Settles the obligations whose rank every non-rejected candidate names empty. A
-    /// candidate whose latest answer was cold (not ready, an empty index, no snapshot) abstains:
-    /// it has no view of the rank to testify with, and counting its silence as a veto made a
-    /// replica of a staggered whole-fleet restart wait its full deadline on a fresh engine
-    /// while its booting siblings said nothing. A silent candidate (unreachable, busy, a damaged
-    /// body) still vetoes: it may be the one replica that holds the rank. At least one vetted
-    /// answer must name the rank, so abstention alone never settles anything.
+    /// Settles what the siblings' testimony decides about each obligation, once every
+    /// non-rejected candidate has answered. A candidate whose latest answer was cold (not ready,
+    /// an empty index, no snapshot) abstains: it has no view of the rank to testify with, and
+    /// counting its silence as a veto made a replica of a staggered whole-fleet restart wait its
+    /// full deadline on a fresh engine while its booting siblings said nothing. A silent
+    /// candidate (unreachable, busy, a damaged body) vetoes both rules below: it may be the one
+    /// replica that holds the rank. Among the remaining witnesses, for a rank no witness covers:
     ///
-    /// By the same witnesses, an obligation is `unknown to the fleet` when every witness
-    /// answered with a vetted body that lists the rank and speaks for it neither as covered nor
-    /// as empty: every sibling is as blind to it as this replica (they all hold it in their own
-    /// bootstrap, or joined its stream mid-way), so no later pass can bring a snapshot of it and
-    /// only its engine can. A witness that does not list the rank (its producer has not
-    /// registered the worker yet) or said nothing (silent) keeps the search going.
+    /// * `empty` when at least one names it in `empty_ranks`. A producer names a rank empty only
+    ///   when it holds the rank's whole history since its publisher's origin, so one such word
+    ///   is proof; a sibling that merely knows nothing of the rank (it joined the stream
+    ///   mid-way) cannot contradict it. (The engine is asked first anyway, where it has a replay
+    ///   socket.)
+    /// * `unknown to the fleet` when none names it empty and every one lists the rank: every
+    ///   sibling is as blind to it as this replica (they all hold it in their own bootstrap, or
+    ///   joined its stream mid-way), so no later pass can bring a snapshot of it and only its
+    ///   engine can. A witness that does not list the rank (its producer has not registered the
+    ///   worker yet) keeps the search going.
+    ///
+    /// A rank some witness covers is left to the snapshot that covers it.
     fn settle_by_witnesses(&mut self, candidates: &[P], book: &PeerBook<P>, out: &mut Progress<P>) {
         let answered: Option<Vec<&Testimony>> = candidates
             .iter()
@@ -726,35 +733,32 @@ impl<P: Ord + Clone> Sweep<P> {
             .into_iter()
             .filter(|t| t.standing != Standing::Cold)
             .collect();
-        if witnesses.is_empty() {
+        let all_vetted = witnesses
+            .iter()
+            .all(|t| matches!(t.standing, Standing::Useful | Standing::CoversNone));
+        if witnesses.is_empty() || !all_vetted {
             return;
         }
-        let settled: Vec<Obligation> = self
-            .obligations
-            .values()
-            .filter(|o| witnesses.iter().all(|t| t.empty.contains(&o.rank)))
-            .copied()
-            .collect();
+        let mut settled = Vec::new();
+        let mut unknown = Vec::new();
+        for o in self.obligations.values() {
+            let r = &o.rank;
+            let covered = witnesses
+                .iter()
+                .any(|t| t.knows.contains(r) && !t.empty.contains(r));
+            if covered {
+                continue;
+            }
+            if witnesses.iter().any(|t| t.empty.contains(r)) {
+                settled.push(*o);
+            } else if witnesses.iter().all(|t| t.listed.contains(r)) {
+                unknown.push(*o);
+            }
+        }
         for o in settled {
             self.obligations.remove(&o.key());
             out.settled_empty.push(o);
         }
-        let all_vetted = witnesses
-            .iter()
-            .all(|t| matches!(t.standing, Standing::Useful | Standing::CoversNone));
-        if !all_vetted {
-            return;
-        }
-        let unknown: Vec<Obligation> = self
-            .obligations
-            .values()
-            .filter(|o| {
-                witnesses
-                    .iter()
-                    .all(|t| t.listed.contains(&o.rank) && !t.knows.contains(&o.rank))
-            })
-            .copied()
-            .collect();
         for o in unknown {
             self.obligations.remove(&o.key());
             out.unknown_to_fleet.push(o);

@@ -880,3 +880,53 @@ fn a_not_ready_sibling_abstains_from_the_unknown_rule_like_from_the_empty_one() 
         Some(VerdictKind::RanksResolved)
     );
 }
+
+#[test]
+fn one_sibling_with_the_whole_history_naming_a_rank_empty_outweighs_one_blind_to_it() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[0, 1], 0, 10_000);
+    let peers = ["blind", "whole"];
+    s.poll(&view(&peers), &book, 1_000);
+    // `blind` lists rank 1 and knows nothing of it; `whole` names it empty.
+    let p = s.on_answer(
+        &order_for(Some(&s), "blind"),
+        body(&[5], &[], 1_010),
+        &view(&peers),
+        &mut book,
+        1_010,
+    );
+    assert!(p.settled_empty.is_empty(), "`whole` has not spoken");
+    let p = s.on_answer(
+        &order_for(Some(&s), "whole"),
+        body(&[6], &[1], 1_020),
+        &view(&peers),
+        &mut book,
+        1_020,
+    );
+    assert_eq!(p.settled_empty, vec![ob(1, 1, 0)]);
+    assert_eq!(p.unknown_to_fleet, vec![ob(0, 1, 0)], "nobody knows rank 0");
+}
+
+#[test]
+fn a_rank_one_sibling_covers_is_neither_empty_nor_unknown_whatever_the_others_say() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[1], 0, 10_000);
+    let peers = ["a", "b"];
+    s.poll(&view(&peers), &book, 1_000);
+    s.on_answer(
+        &order_for(Some(&s), "a"),
+        body(&[5], &[1], 1_010),
+        &view(&peers),
+        &mut book,
+        1_010,
+    );
+    let p = s.on_answer(
+        &order_for(Some(&s), "b"),
+        body(&[1], &[], 1_020),
+        &view(&peers),
+        &mut book,
+        1_020,
+    );
+    assert!(p.settled_empty.is_empty() && p.unknown_to_fleet.is_empty());
+    assert!(matches!(p.verdict, Some(Verdict::Found { peer: "b", .. })));
+}

@@ -858,11 +858,13 @@ impl<S: KvSource> Pump<S> {
         if applied {
             self.pregrow_side_map(rank_id);
         }
-        for ev in events {
-            self.emit(ev);
-        }
+        // The status table first: whoever hears a `Finished` (readiness, then anyone reading
+        // `/workers`) must find the rank's outcome there already.
         if bootstrap {
             self.publish_bootstrap(key);
+        }
+        for ev in events {
+            self.emit(ev);
         }
     }
 
