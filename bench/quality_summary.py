@@ -47,7 +47,8 @@ def med(xs):
 
 
 def fig(runs, key, scale=1.0):
-    return [r[key] * scale for _, _, r in runs if r is not None]
+    # Older result files have no p50: such rounds are left out of that column.
+    return [r[key] * scale for _, _, r in runs if r is not None and key in r]
 
 
 def bal(runs, key):
@@ -68,18 +69,19 @@ def main():
     rounds = max((len(v) for v in rows.values()), default=0)
     print("Medians over %d round(s); (min-max) when more than one." % rounds)
     print()
-    print("| row | hit rate % | TTFT mean ms | TTFT p90 ms | req/s | failed / requests | busiest rank % | busiest engine % | load avg 1m |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| row | hit rate % | TTFT mean ms | TTFT p50 ms | TTFT p90 ms | req/s | failed / requests | busiest rank % | busiest engine % | load avg 1m |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in names:
         runs = rows[n]
         ok = [r for _, _, r in runs if r is not None]
         failed = sum(r["failures"] for r in ok)
         total = sum(r["requests"] + r["failures"] for r in ok)
         missing = sum(1 for _, _, r in runs if r is None)
-        print("| %s | %s | %s | %s | %s | %d / %d%s | %s | %s | %s |" % (
+        print("| %s | %s | %s | %s | %s | %s | %d / %d%s | %s | %s | %s |" % (
             n,
             rng(fig(runs, "hit_rate", 100), "%.1f"),
             rng(fig(runs, "ttft_mean_ms"), "%.1f"),
+            rng(fig(runs, "ttft_p50_ms"), "%.1f"),
             rng(fig(runs, "ttft_p90_ms"), "%.1f"),
             rng(fig(runs, "throughput_rps"), "%.1f"),
             failed, total, (" (%d round(s) produced no result)" % missing) if missing else "",
@@ -118,6 +120,13 @@ def main():
         verdict = "beats" if oh > ph and op < pp else "does NOT beat"
         print("- vs %s: hit rate %.1f%% (%+.1f points), p90 TTFT %.1f ms (%+.1f ms, %+.0f%%): %s on both" % (
             peer, ph, oh - ph, pp, op - pp, 100.0 * (op - pp) / pp if pp else float("nan"), verdict))
+    for n in names:
+        moved = [(r["continuations"]["moved"], r["continuations"]["routed"], r["continuations"]["moved_by_reason"])
+                 for _, _, r in rows[n] if r is not None and r.get("continuations")]
+        if moved:
+            print("- %s: later turns sent to another rank than their previous turn, per round: %s" % (
+                n, "; ".join("%d of %d (%s)" % (m, t, ", ".join("%s %d" % kv for kv in sorted(why.items())) or "none")
+                             for m, t, why in moved)))
     oracle = rows.get("in-process oracle")
     if oracle:
         orh = med(fig(oracle, "hit_rate", 100))

@@ -15,7 +15,9 @@
 #   is the demo's own code, not a copy. `KVROUTE_DEMO_*` variables (the demo's own flags'
 #   env names) change the workload for every row alike; the earlier, uniform light workload is
 #   `KVROUTE_DEMO_SYSTEM_PROMPT_SKEW=0 KVROUTE_DEMO_CONVERSATIONS=40 KVROUTE_DEMO_CONCURRENCY=16
-#   FLEET_PREFILL=parallel`.
+#   FLEET_PREFILL=parallel`. `KVROUTE_DEMO_WORKLOAD=long-conversations` runs the demo's long,
+#   mostly unique conversations instead (see `kvroute-demo --help`), with every fleet's caches
+#   sized to about half of that workload (`KVROUTE_DEMO_LONG_CAPACITY_BLOCKS`, 4,096 blocks).
 # - Every row gets a FRESH `kvroute-sim` process configured like the demo's in-process fleet:
 #   4 engines x 2 DP ranks = 8 ranks, block 16 tokens, 320 device blocks per rank, 2 ms
 #   overhead + 60 us per uncached prompt token + 1 ms per output token, load stats published,
@@ -144,10 +146,19 @@ for i in $(seq 0 $((ENGINES - 1))); do engine_urls+=("http://127.0.0.1:$((SIM_HT
 engines_csv="$(IFS=,; echo "${engine_urls[*]}")"
 
 
+# Device blocks per rank: the demo's chat workload uses 320; the long-conversations workload
+# (KVROUTE_DEMO_WORKLOAD=long-conversations) sizes the caches to about half its working set,
+# with the same value the in-process demo takes.
+if [ "${KVROUTE_DEMO_WORKLOAD:-chat}" = long-conversations ]; then
+  capacity_blocks="${KVROUTE_DEMO_LONG_CAPACITY_BLOCKS:-4096}"
+else
+  capacity_blocks=320
+fi
+
 start_fleet() { # name kv-encoding
   "$bin/kvroute-sim" --engines "$ENGINES" --dp-size "$DP" --port "$SIM_HTTP" \
     --kv-port-base "$SIM_KV" --replay-port-base "$SIM_REPLAY" --load-port-base "$SIM_LOAD" \
-    --load-publish --block-size 16 --capacity-blocks 320 --overhead-us 2000 \
+    --load-publish --block-size 16 --capacity-blocks "$capacity_blocks" --overhead-us 2000 \
     --prefill-us-per-token 60 --decode-us-per-token 1000 --served-model-name "$MODEL" \
     --kv-encoding "$2" $fleet_prefill_flag $SIM_EXTRA_ARGS >"$out/$1.sim.log" 2>&1 &
   sim_pid=$!
@@ -163,7 +174,7 @@ start_router() { # name kind: starts the router of row `name`
       [ "$kind" = kvroute-round_robin ] && pol=round-robin
       "$bin/kvroute" --host 127.0.0.1 --port "$ROUTER" --policy "$pol" \
         --worker-urls "${engine_urls[@]}" --tokenizer-path "$root/assets/tokenizer/tokenizer.json" \
-        --prefill-cost-us-per-token 60 $KVROUTE_EXTRA_ARGS >"$out/$name.router.log" 2>&1 &
+        --prefill-cost-us-per-token 60 --decision-header $KVROUTE_EXTRA_ARGS >"$out/$name.router.log" 2>&1 &
       router_pid=$!
       wait_http "$R/readyz" "kvroute $pol"
       wait_kvroute_subscribed

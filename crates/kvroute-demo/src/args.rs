@@ -12,8 +12,26 @@ pub enum FleetPrefill {
     Parallel,
 }
 
+/// The workload the demo drives (the same for every row of a run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Workload {
+    /// Multi-turn chats over a few shared system prompts (the crate doc describes it).
+    Chat,
+    /// Long, mostly unique conversations against caches that hold about half of them
+    /// (`long_conversations` describes it; its settings are the `--session-*`, `--context-words`,
+    /// `--think-*` and `--long-capacity-blocks` flags).
+    LongConversations,
+}
+
 #[derive(Debug, Args, Clone)]
 pub struct DemoArgs {
+    /// The workload.
+    #[arg(long, env = "KVROUTE_DEMO_WORKLOAD", value_enum, default_value_t = Workload::Chat)]
+    pub workload: Workload,
+    /// The long-conversations workload's settings.
+    #[command(flatten)]
+    pub long: crate::long_conversations::LongArgs,
     /// Number of conversations in the workload.
     #[arg(long, env = "KVROUTE_DEMO_CONVERSATIONS", default_value_t = 96)]
     pub conversations: usize,
@@ -62,11 +80,30 @@ pub struct DemoArgs {
     pub sweep: crate::replicas::SweepArgs,
 }
 
+impl DemoArgs {
+    /// Conversations in flight at once: `--concurrency` for the chat workload; every session
+    /// for long conversations, whose Poisson arrivals and think times pace the load instead.
+    pub fn concurrency_limit(&self) -> usize {
+        match self.workload {
+            Workload::Chat => self.concurrency.max(1),
+            Workload::LongConversations => self.long.sessions.max(1),
+        }
+    }
+
+    /// Device blocks per rank of the in-process fleet.
+    pub fn capacity_blocks(&self) -> usize {
+        match self.workload {
+            Workload::Chat => crate::CAPACITY_BLOCKS,
+            Workload::LongConversations => self.long.long_capacity_blocks,
+        }
+    }
+}
+
 /// Largest Zipf exponent accepted for the demo's prompt popularity (beyond it every
 /// conversation uses the first prompt anyway).
 pub const SYSTEM_PROMPT_SKEW_MAX: f64 = 16.0;
 
-fn parse_skew(raw: &str) -> Result<f64, String> {
+pub(crate) fn parse_skew(raw: &str) -> Result<f64, String> {
     let v: f64 = raw.parse().map_err(|e| format!("not a number: {e}"))?;
     if !(0.0..=SYSTEM_PROMPT_SKEW_MAX).contains(&v) {
         return Err(format!("must be within 0..={SYSTEM_PROMPT_SKEW_MAX}"));

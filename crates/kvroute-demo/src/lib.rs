@@ -52,16 +52,17 @@ use kvroute::{PolicyKind, RouterConfig, WorkerSpec};
 
 pub mod args;
 pub mod chart;
+pub mod long_conversations;
 pub mod replicas;
 pub mod rolling;
 
-pub use args::{DemoArgs, FleetPrefill};
+pub use args::{DemoArgs, FleetPrefill, Workload};
 
 const ENGINES: usize = 4;
 const DP_SIZE: usize = 2;
 const BLOCK_SIZE_TOKENS: usize = 16;
 /// Device blocks per rank: room for a couple of system prompts and their conversations, not all.
-const CAPACITY_BLOCKS: usize = 320;
+pub(crate) const CAPACITY_BLOCKS: usize = 320;
 const SYSTEM_PROMPT_WORDS: usize = 700;
 const REPLY_TOKENS_MAX: u32 = 24;
 const MODEL: &str = "demo-model";
@@ -83,19 +84,31 @@ const WORDS: &[&str] = &[
     "garden", "planet", "orbit",
 ];
 
-fn words(rng: &mut StdRng, n: usize) -> String {
+pub(crate) fn words(rng: &mut StdRng, n: usize) -> String {
     (0..n)
         .map(|_| WORDS[rng.random_range(0..WORDS.len())])
         .collect::<Vec<_>>()
         .join(" ")
 }
 
-struct Conversation {
+pub(crate) struct Conversation {
     system: Arc<String>,
     user_turns: Vec<String>,
+    /// When the conversation starts, from the start of the run (0: at once, as a slot frees).
+    start_after: Duration,
+    /// Think time before each user turn (the first is 0); all 0 in the chat workload.
+    think_before: Vec<Duration>,
 }
 
+/// The selected workload's conversations, the same for every row of a run.
 fn workload(args: &DemoArgs) -> Vec<Conversation> {
+    match args.workload {
+        Workload::Chat => chat_workload(args),
+        Workload::LongConversations => long_conversations::conversations(&args.long, args.seed),
+    }
+}
+
+fn chat_workload(args: &DemoArgs) -> Vec<Conversation> {
     let mut rng = StdRng::seed_from_u64(args.seed);
     let systems: Vec<Arc<String>> = (0..args.system_prompts.max(1))
         .map(|i| {
@@ -126,6 +139,8 @@ fn workload(args: &DemoArgs) -> Vec<Conversation> {
                     words(&mut rng, n)
                 })
                 .collect(),
+            start_after: Duration::ZERO,
+            think_before: vec![Duration::ZERO; args.turns.max(1)],
         })
         .collect()
 }
@@ -140,6 +155,55 @@ struct Sample {
     /// Which turn of its conversation this was (0 = the first, whose prompt is the system
     /// prompt and one question).
     turn: usize,
+    /// For a later turn routed by a router that names its choice (the decision header): whether
+    /// it went to another rank than the conversation's previous turn.
+    moved: Option<bool>,
+}
+
+/// `(url, dp_rank)` and the reason named by an `x-kvroute-decision` value.
+fn decision_rank_and_reason(decision: &str) -> Option<(String, String)> {
+    let field = |name: &str| {
+        decision
+            .split(';')
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+    };
+    Some((
+        format!("{}#{}", field("url")?, field("dp_rank")?),
+        field("reason")?.to_string(),
+    ))
+}
+
+/// Where a router sent conversations' later turns, from its decision headers: the decision trace
+/// behind a hit rate (a continuation sent to another rank than its history's pays its whole
+/// prefill again).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ContinuationTrace {
+    /// Later turns whose rank and whose previous turn's rank are both known.
+    pub routed: u64,
+    /// Of those, sent to another rank than the previous turn's.
+    pub moved: u64,
+    /// The decision reasons of the moved ones.
+    pub moved_by_reason: std::collections::BTreeMap<String, u64>,
+}
+
+impl ContinuationTrace {
+    fn of(samples: &[Sample]) -> Option<ContinuationTrace> {
+        let mut t = ContinuationTrace::default();
+        for s in samples {
+            let Some(moved) = s.moved else { continue };
+            t.routed += 1;
+            if moved {
+                t.moved += 1;
+                let reason = s
+                    .decision
+                    .as_deref()
+                    .and_then(decision_rank_and_reason)
+                    .map_or_else(|| "?".to_string(), |(_, r)| r);
+                *t.moved_by_reason.entry(reason).or_default() += 1;
+            }
+        }
+        (t.routed > 0).then_some(t)
+    }
 }
 
 /// Matches prefixes against the in-process simulated engines' caches. It reads with
@@ -306,9 +370,12 @@ pub struct RunResult {
     pub failures: usize,
     pub hit_rate: f64,
     pub ttft_mean_ms: f64,
+    pub ttft_p50_ms: f64,
     pub ttft_p90_ms: f64,
     pub throughput_rps: f64,
     pub wall: Duration,
+    /// Where later turns went (`None` when the router names no decisions).
+    pub continuations: Option<ContinuationTrace>,
     /// `None` when no engine counters were available (external mode without `--engine-urls`).
     pub balance: Option<Balance>,
     /// How the router's predictions compared with the engines' reports (in-process
@@ -440,7 +507,7 @@ async fn chat_turn(
     Ok((sample, reply))
 }
 
-fn sim_config(prefill: FleetPrefill) -> kvroute_sim::SimConfig {
+fn sim_config(prefill: FleetPrefill, capacity_blocks: usize) -> kvroute_sim::SimConfig {
     kvroute_sim::SimConfig {
         engines: ENGINES,
         dp_size: DP_SIZE,
@@ -450,7 +517,7 @@ fn sim_config(prefill: FleetPrefill) -> kvroute_sim::SimConfig {
         load_port_base: 0,
         load_publish: true,
         block_size: BLOCK_SIZE_TOKENS,
-        capacity_blocks: CAPACITY_BLOCKS,
+        capacity_blocks,
         overhead_us: 2_000,
         prefill_us_per_token: 60,
         decode_us_per_token: 1_000,
@@ -516,10 +583,10 @@ async fn drive(
     );
     let next_router = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(args.concurrency * 2)
+        .pool_max_idle_per_host(args.concurrency_limit() * 2)
         .build()
         .map_err(|e| e.to_string())?;
-    let permits = Arc::new(tokio::sync::Semaphore::new(args.concurrency.max(1)));
+    let permits = Arc::new(tokio::sync::Semaphore::new(args.concurrency_limit()));
     let started = Instant::now();
     let mut tasks = Vec::new();
     for i in 0..conversations.len() {
@@ -532,18 +599,34 @@ async fn drive(
             bar.clone(),
         );
         tasks.push(tokio::spawn(async move {
-            let _permit = permits.acquire_owned().await.map_err(|e| e.to_string())?;
             let conv = &convs[i];
+            tokio::time::sleep(conv.start_after).await;
+            let _permit = permits.acquire_owned().await.map_err(|e| e.to_string())?;
             let mut messages = vec![json!({"role": "system", "content": conv.system.as_str()})];
             let mut samples = Vec::new();
             let mut failures = 0usize;
+            let mut previous_rank: Option<String> = None;
             for (turn_index, turn) in conv.user_turns.iter().enumerate() {
+                let think = conv.think_before.get(turn_index).copied();
+                if let Some(think) = think.filter(|t| !t.is_zero()) {
+                    tokio::time::sleep(think).await;
+                }
                 messages.push(json!({"role": "user", "content": turn}));
                 let url = &urls
                     [next_router.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % urls.len()];
                 match chat_turn(&http, url, &messages).await {
                     Ok((mut s, reply)) => {
                         s.turn = turn_index;
+                        let rank = s
+                            .decision
+                            .as_deref()
+                            .and_then(decision_rank_and_reason)
+                            .map(|(rank, _)| rank);
+                        s.moved = match (&previous_rank, &rank) {
+                            (Some(before), Some(now)) => Some(before != now),
+                            _ => None,
+                        };
+                        previous_rank = rank;
                         samples.push(s);
                         messages.push(json!({"role": "assistant", "content": reply}));
                     }
@@ -594,15 +677,18 @@ fn summarize(
         ttft_ms.iter().sum::<f64>() / ttft_ms.len() as f64
     };
     let p90 = p90_of_sorted(&ttft_ms);
+    let p50 = ttft_ms.get(ttft_ms.len() / 2).copied().unwrap_or(0.0);
     RunResult {
         label,
         requests: samples.len(),
         failures: driven.failures,
         hit_rate: share(cached, prompt),
         ttft_mean_ms: mean,
+        ttft_p50_ms: p50,
         ttft_p90_ms: p90,
         throughput_rps: samples.len() as f64 / driven.wall.as_secs_f64(),
         wall: driven.wall,
+        continuations: ContinuationTrace::of(samples),
         balance,
         predictions,
     }
@@ -739,6 +825,8 @@ fn router_config(
             .then(|| Arc::new(SimCacheOracle::new(MODEL, fleet)) as Arc<dyn PrefixOracle>),
         tokenizer_path: Some(kvroute_sim::config::default_tokenizer_path()),
         rng_seed: Some(seed),
+        // The demo reads each answer's decision to trace where later turns went.
+        decision_header: true,
         weights: CostWeights {
             prefill_cost_us_per_token: 60.0,
             ..Default::default()
@@ -754,7 +842,7 @@ async fn run_policy(
     conversations: &Arc<Vec<Conversation>>,
     bar: &ProgressBar,
 ) -> Result<PolicyResult, String> {
-    let fleet = kvroute_sim::start_fleet(sim_config(args.fleet_prefill))
+    let fleet = kvroute_sim::start_fleet(sim_config(args.fleet_prefill, args.capacity_blocks()))
         .await
         .map_err(|e| e.to_string())?;
     let config = router_config(&fleet, policy, oracle, args.seed);
@@ -818,6 +906,24 @@ pub fn cache_aware_to_oracle_hit_rate(results: &[PolicyResult]) -> Option<f64> {
 /// The workload's parameters and the in-process fleet's shape, as printed and put in JSON.
 /// One line describing the workload, printed above both the in-process and the external table.
 fn workload_summary(args: &DemoArgs) -> String {
+    if args.workload == Workload::LongConversations {
+        let l = &args.long;
+        return format!(
+            "long conversations: {} sessions (a ~{}-token shared system block, a ~{}-word first \
+             turn each), up to {} follow-ups (popularity Zipf {}), arrivals every ~{} ms, think \
+             {}-{} ms, {} device blocks per rank, seed {}",
+            l.sessions,
+            long_conversations::SYSTEM_BLOCK_WORDS,
+            l.context_words,
+            l.session_extra_turns_max,
+            l.session_skew,
+            l.session_arrival_ms,
+            l.think_min_ms,
+            l.think_max_ms,
+            l.long_capacity_blocks,
+            args.seed
+        );
+    }
     format!(
         "{} conversations over {} system prompts (popularity Zipf {}), {} turns each, \
          concurrency {}, seed {}",
@@ -831,7 +937,31 @@ fn workload_summary(args: &DemoArgs) -> String {
 }
 
 fn workload_json(args: &DemoArgs) -> Value {
+    if args.workload == Workload::LongConversations {
+        let l = &args.long;
+        return json!({
+            "workload": args.workload,
+            "sessions": l.sessions,
+            "system_block_words": long_conversations::SYSTEM_BLOCK_WORDS,
+            "context_words": l.context_words,
+            "session_extra_turns_max": l.session_extra_turns_max,
+            "session_skew": l.session_skew,
+            "session_arrival_ms": l.session_arrival_ms,
+            "think_ms": [l.think_min_ms, l.think_max_ms],
+            "fleet_prefill": args.fleet_prefill,
+            "seed": args.seed,
+            "max_tokens": REPLY_TOKENS_MAX,
+            "model": MODEL,
+            "in_process_fleet": {
+                "engines": ENGINES,
+                "dp_size": DP_SIZE,
+                "block_size": BLOCK_SIZE_TOKENS,
+                "capacity_blocks": l.long_capacity_blocks,
+            },
+        });
+    }
     json!({
+        "workload": args.workload,
         "conversations": args.conversations,
         "system_prompts": args.system_prompts,
         "turns": args.turns,
@@ -872,10 +1002,14 @@ pub fn run_json(r: &RunResult) -> Value {
         "failures": r.failures,
         "hit_rate": r.hit_rate,
         "ttft_mean_ms": r.ttft_mean_ms,
+        "ttft_p50_ms": r.ttft_p50_ms,
         "ttft_p90_ms": r.ttft_p90_ms,
         "throughput_rps": r.throughput_rps,
         "wall_s": r.wall.as_secs_f64(),
         "balance": balance,
+        "continuations": r.continuations.as_ref().map(|c| json!({
+            "routed": c.routed, "moved": c.moved, "moved_by_reason": c.moved_by_reason,
+        })),
         "predictions": r.predictions.map(|p| json!({
             "exact": p.exact, "over": p.over, "under": p.under,
         })),
@@ -927,7 +1061,7 @@ pub async fn run(args: DemoArgs) -> Result<(), String> {
         ENGINES,
         DP_SIZE,
         BLOCK_SIZE_TOKENS,
-        CAPACITY_BLOCKS,
+        args.capacity_blocks(),
         args.fleet_prefill,
         workload_summary(&args)
     );
@@ -968,6 +1102,9 @@ pub async fn run(args: DemoArgs) -> Result<(), String> {
             );
         }
     }
+    for r in &results {
+        print_continuations(r.name(), r.continuations.as_ref());
+    }
     println!(
         "total wall time {:.1} s",
         total_started.elapsed().as_secs_f64()
@@ -976,6 +1113,26 @@ pub async fn run(args: DemoArgs) -> Result<(), String> {
         return Err("some demo requests failed (see warnings above)".into());
     }
     Ok(())
+}
+
+/// One line on where `row` sent conversations' later turns, when its decisions are known.
+fn print_continuations(row: &str, trace: Option<&ContinuationTrace>) {
+    let Some(t) = trace else { return };
+    let reasons: Vec<String> = t
+        .moved_by_reason
+        .iter()
+        .map(|(reason, n)| format!("{reason} {n}"))
+        .collect();
+    println!(
+        "{row}: {} of {} later turns went to another rank than their previous turn ({})",
+        t.moved,
+        t.routed,
+        if reasons.is_empty() {
+            "none".to_string()
+        } else {
+            reasons.join(", ")
+        }
+    );
 }
 
 async fn run_external_and_print(router_url: &str, args: &DemoArgs) -> Result<(), String> {
@@ -1022,6 +1179,7 @@ async fn run_external_and_print(router_url: &str, args: &DemoArgs) -> Result<(),
             pct(r.balance.as_ref().map(Balance::busiest_rank_share)),
             pct(r.balance.as_ref().map(Balance::busiest_engine_share)),
         );
+        print_continuations(&r.label, r.continuations.as_ref());
     }
     if r.failures > 0 {
         return Err(format!(
@@ -1037,6 +1195,8 @@ async fn run_external_and_print(router_url: &str, args: &DemoArgs) -> Result<(),
 /// demo's own.
 pub fn tiny_workload_args() -> DemoArgs {
     DemoArgs {
+        workload: Workload::Chat,
+        long: long_conversations::LongArgs::default(),
         conversations: 4,
         system_prompts: 2,
         turns: 2,
@@ -1178,7 +1338,7 @@ mod tests {
     /// on port 0 in front of a real in-process demo fleet, reached only through their URLs.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn external_mode_drives_a_running_router_and_counts_balance_on_the_engines() {
-        let fleet = kvroute_sim::start_fleet(sim_config(FleetPrefill::Serial))
+        let fleet = kvroute_sim::start_fleet(sim_config(FleetPrefill::Serial, CAPACITY_BLOCKS))
             .await
             .expect("fleet starts");
         let router = kvroute::serve(router_config(&fleet, PolicyKind::CacheAware, false, 3))

@@ -178,7 +178,7 @@ async fn run_once(
     round: u64,
     bar: &indicatif::ProgressBar,
 ) -> Result<SweepRun, String> {
-    let fleet = kvroute_sim::start_fleet(sim_config(args.fleet_prefill))
+    let fleet = kvroute_sim::start_fleet(sim_config(args.fleet_prefill, args.capacity_blocks()))
         .await
         .map_err(|e| e.to_string())?;
     let mut handles = Vec::with_capacity(replicas);

@@ -425,14 +425,16 @@ async fn wait_ready(http: &reqwest::Client, base: &str) -> Result<(), String> {
     }
 }
 
-/// Per-rank bootstrap outcomes of a replica, counted by label (`none` while a rank has none).
+/// Per-rank bootstrap outcomes of a replica, counted by label; a rank without one is counted by
+/// its bootstrap state instead (`off` without bootstrap, `holding`, `rebuilding`, ...).
 fn outcome_counts(handle: &kvroute::RouterHandle) -> Vec<(String, usize)> {
     let mut counts: Vec<(String, usize)> = Vec::new();
     for state in handle.router.kv.plane().rank_states() {
         let label = state
             .bootstrap
             .outcome()
-            .map_or("none".to_string(), |o| o.label().to_string());
+            .map_or(state.bootstrap.label(), |o| o.label())
+            .to_string();
         match counts.iter_mut().find(|(l, _)| *l == label) {
             Some((_, n)) => *n += 1,
             None => counts.push((label, 1)),
@@ -449,7 +451,7 @@ async fn run_rollout(
     conversations: &Arc<Vec<Conversation>>,
 ) -> Result<RolloutRun, String> {
     let rolling = &args.rolling;
-    let fleet = kvroute_sim::start_fleet(sim_config(args.fleet_prefill))
+    let fleet = kvroute_sim::start_fleet(sim_config(args.fleet_prefill, args.capacity_blocks()))
         .await
         .map_err(|e| e.to_string())?;
     let http = reqwest::Client::new();
@@ -849,7 +851,7 @@ mod tests {
             // The tiny workload leaves some ranks untouched: their siblings say `empty`.
             let allowed: &[&str] = match mode {
                 RolloutMode::Bootstrap => &["warm", "empty"],
-                RolloutMode::Cold => &["none"],
+                RolloutMode::Cold => &["off"],
             };
             for r in &run.replacements {
                 let ranks: usize = r.outcomes.iter().map(|(_, n)| n).sum();
