@@ -43,7 +43,7 @@ pub struct DemoArgs {
     pub turns: usize,
     /// Zipf exponent of the system prompts' popularity (0 = uniform): with 1.2, the most
     /// popular of 8 prompts opens ~43 % of the conversations, like one big tenant among small ones.
-    #[arg(long, env = "KVROUTE_DEMO_SYSTEM_PROMPT_SKEW", default_value_t = 1.2, value_parser = parse_skew)]
+    #[arg(long, env = "KVROUTE_DEMO_SYSTEM_PROMPT_SKEW", default_value_t = 1.2, value_parser = crate::parse_skew)]
     pub system_prompt_skew: f64,
     /// How the in-process fleet's ranks prefill: `serial` (one prompt at a time per rank, like a
     /// compute-bound GPU) or `parallel` (every prompt at full speed, load never delays it).
@@ -99,21 +99,9 @@ impl DemoArgs {
     }
 }
 
-/// Largest Zipf exponent accepted for the demo's prompt popularity (beyond it every
-/// conversation uses the first prompt anyway).
-pub const SYSTEM_PROMPT_SKEW_MAX: f64 = 16.0;
-
-pub(crate) fn parse_skew(raw: &str) -> Result<f64, String> {
-    let v: f64 = raw.parse().map_err(|e| format!("not a number: {e}"))?;
-    if !(0.0..=SYSTEM_PROMPT_SKEW_MAX).contains(&v) {
-        return Err(format!("must be within 0..={SYSTEM_PROMPT_SKEW_MAX}"));
-    }
-    Ok(v)
-}
-
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::parse_skew;
 
     #[test]
     fn demo_skew_outside_its_range_or_not_a_number_is_refused() {

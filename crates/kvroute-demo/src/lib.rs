@@ -75,6 +75,18 @@ const SERVED_STATS_TIMEOUT_MS: u64 = 5_000;
 /// Largest `/served_stats` body read (a few hundred bytes per rank is the real size).
 const SERVED_STATS_MAX_BYTES: usize = 256 * 1024;
 
+/// Largest Zipf exponent accepted for a popularity skew (prompts, sessions): beyond it
+/// everything goes to the first item anyway. Shared by the flag modules, hence here.
+pub const SYSTEM_PROMPT_SKEW_MAX: f64 = 16.0;
+
+pub(crate) fn parse_skew(raw: &str) -> Result<f64, String> {
+    let v: f64 = raw.parse().map_err(|e| format!("not a number: {e}"))?;
+    if !(0.0..=SYSTEM_PROMPT_SKEW_MAX).contains(&v) {
+        return Err(format!("must be within 0..={SYSTEM_PROMPT_SKEW_MAX}"));
+    }
+    Ok(v)
+}
+
 const WORDS: &[&str] = &[
     "cache", "router", "token", "engine", "prefix", "block", "latency", "request", "model",
     "policy", "shard", "replica", "queue", "stream", "batch", "decode", "prefill", "memory",

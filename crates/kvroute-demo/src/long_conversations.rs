@@ -51,7 +51,7 @@ pub struct LongArgs {
     #[arg(long, env = "KVROUTE_DEMO_SESSION_EXTRA_TURNS_MAX", default_value_t = 8, value_parser = parse_count)]
     pub session_extra_turns_max: usize,
     /// long-conversations: Zipf exponent of the sessions' popularity.
-    #[arg(long, env = "KVROUTE_DEMO_SESSION_SKEW", default_value_t = 1.0, value_parser = crate::args::parse_skew)]
+    #[arg(long, env = "KVROUTE_DEMO_SESSION_SKEW", default_value_t = 1.0, value_parser = crate::parse_skew)]
     pub session_skew: f64,
     /// long-conversations: mean gap between two session starts (Poisson arrivals), ms.
     #[arg(long, env = "KVROUTE_DEMO_SESSION_ARRIVAL_MS", default_value_t = 150)]
