@@ -8,7 +8,8 @@
 //!   one token each, so the first prompt is ~12,000 tokens) and short follow-ups. Reuse across
 //!   conversations is therefore tiny; reuse WITHIN a conversation is nearly the whole prompt,
 //!   and only a router that sends a continuation back to the rank holding its history gets it.
-//! - Sessions arrive as a Poisson process (`--session-arrival-ms` mean gap), not all at once.
+//! - Sessions arrive as a Poisson process (`--session-arrival-ms` mean gap, 300 ms: the serial
+//!   prefill of ~14k-token first turns keeps the fleet busy but not saturated), not all at once.
 //! - Session popularity is Zipf (`--session-skew`): the most popular session gets
 //!   `--session-extra-turns-max` follow-ups, the i-th `max / (i+1)^skew` of them (rounded), so
 //!   most sessions are one-shot and a few are long-lived. Which sessions are popular is drawn at
@@ -54,7 +55,7 @@ pub struct LongArgs {
     #[arg(long, env = "KVROUTE_DEMO_SESSION_SKEW", default_value_t = 1.0, value_parser = crate::parse_skew)]
     pub session_skew: f64,
     /// long-conversations: mean gap between two session starts (Poisson arrivals), ms.
-    #[arg(long, env = "KVROUTE_DEMO_SESSION_ARRIVAL_MS", default_value_t = 150)]
+    #[arg(long, env = "KVROUTE_DEMO_SESSION_ARRIVAL_MS", default_value_t = 300)]
     pub session_arrival_ms: u64,
     /// long-conversations: shortest think time before a follow-up, ms.
     #[arg(long, env = "KVROUTE_DEMO_THINK_MIN_MS", default_value_t = 1_000)]
@@ -76,7 +77,7 @@ impl Default for LongArgs {
             context_words: 11_000,
             session_extra_turns_max: 8,
             session_skew: 1.0,
-            session_arrival_ms: 150,
+            session_arrival_ms: 300,
             think_min_ms: 1_000,
             think_max_ms: 8_000,
             long_capacity_blocks: 4_096,
