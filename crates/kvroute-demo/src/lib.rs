@@ -198,6 +198,31 @@ pub struct ContinuationTrace {
     pub moved_by_reason: std::collections::BTreeMap<String, u64>,
 }
 
+/// The decision trace of a run's slowest tenth of requests (by time to first token).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SlowestDecile {
+    pub requests: u64,
+    /// Of those, first turns of their conversation.
+    pub first_turns: u64,
+    pub by_reason: std::collections::BTreeMap<String, u64>,
+}
+
+impl SlowestDecile {
+    fn of(samples: &[Sample]) -> SlowestDecile {
+        let mut by_ttft: Vec<&Sample> = samples.iter().collect();
+        by_ttft.sort_by_key(|s| std::cmp::Reverse(s.ttft));
+        let mut d = SlowestDecile::default();
+        for s in by_ttft.iter().take(samples.len().div_ceil(10)) {
+            d.requests += 1;
+            d.first_turns += u64::from(s.turn == 0);
+            if let Some((_, reason)) = s.decision.as_deref().and_then(decision_rank_and_reason) {
+                *d.by_reason.entry(reason).or_default() += 1;
+            }
+        }
+        d
+    }
+}
+
 impl ContinuationTrace {
     fn of(samples: &[Sample]) -> Option<ContinuationTrace> {
         let mut t = ContinuationTrace::default();
@@ -388,6 +413,9 @@ pub struct RunResult {
     pub wall: Duration,
     /// Where later turns went (`None` when the router names no decisions).
     pub continuations: Option<ContinuationTrace>,
+    /// The slowest tenth of the requests by TTFT: how many were first turns, and the decision
+    /// reasons the router named for them (empty when it names none).
+    pub slowest_decile: SlowestDecile,
     /// `None` when no engine counters were available (external mode without `--engine-urls`).
     pub balance: Option<Balance>,
     /// How the router's predictions compared with the engines' reports (in-process
@@ -701,6 +729,7 @@ fn summarize(
         throughput_rps: samples.len() as f64 / driven.wall.as_secs_f64(),
         wall: driven.wall,
         continuations: ContinuationTrace::of(samples),
+        slowest_decile: SlowestDecile::of(samples),
         balance,
         predictions,
     }
@@ -1022,6 +1051,11 @@ pub fn run_json(r: &RunResult) -> Value {
         "continuations": r.continuations.as_ref().map(|c| json!({
             "routed": c.routed, "moved": c.moved, "moved_by_reason": c.moved_by_reason,
         })),
+        "slowest_decile": {
+            "requests": r.slowest_decile.requests,
+            "first_turns": r.slowest_decile.first_turns,
+            "by_reason": r.slowest_decile.by_reason,
+        },
         "predictions": r.predictions.map(|p| json!({
             "exact": p.exact, "over": p.over, "under": p.under,
         })),
@@ -1339,6 +1373,63 @@ mod tests {
         assert_eq!(
             got,
             vec![("a".into(), 0, 2), ("a".into(), 1, 4), ("b".into(), 0, 1)]
+        );
+    }
+
+    fn routed(ttft_ms: u64, turn: usize, rank: u32, reason: &str, moved: Option<bool>) -> Sample {
+        Sample {
+            ttft: Duration::from_millis(ttft_ms),
+            decision: Some(format!(
+                "policy=cache_aware;reason={reason};worker=1;url=http://e:1;dp_rank={rank};matched_blocks=3"
+            )),
+            turn,
+            moved,
+            ..Sample::default()
+        }
+    }
+
+    #[test]
+    fn the_decision_header_names_the_rank_and_the_reason() {
+        let h =
+            "policy=cache_aware;reason=load_bound;worker=2;url=http://e:7;dp_rank=1;cost_ms=3.0";
+        assert_eq!(
+            decision_rank_and_reason(h),
+            Some(("http://e:7#1".to_string(), "load_bound".to_string()))
+        );
+        assert_eq!(decision_rank_and_reason("policy=round_robin"), None);
+    }
+
+    #[test]
+    fn continuations_count_only_later_turns_whose_ranks_are_known_and_name_why_they_moved() {
+        let samples = vec![
+            routed(10, 0, 0, "cold", None),
+            routed(10, 1, 0, "cache_hit", Some(false)),
+            routed(10, 2, 1, "load_over_cache", Some(true)),
+            routed(10, 3, 2, "cache_hit", Some(true)),
+        ];
+        let t = ContinuationTrace::of(&samples).expect("three later turns are known");
+        assert_eq!((t.routed, t.moved), (3, 2));
+        assert_eq!(t.moved_by_reason.get("load_over_cache"), Some(&1));
+        assert_eq!(t.moved_by_reason.get("cache_hit"), Some(&1));
+        assert_eq!(ContinuationTrace::of(&samples[..1]), None, "no later turn");
+    }
+
+    #[test]
+    fn the_slowest_decile_is_the_slowest_tenth_rounded_up_with_its_reasons() {
+        let mut samples: Vec<Sample> = (0..19)
+            .map(|i| routed(10 + i, 1, 0, "cache_hit", Some(false)))
+            .collect();
+        samples.push(routed(500, 0, 1, "load_bound", None));
+        samples.push(routed(400, 0, 2, "cold", None));
+        let d = SlowestDecile::of(&samples);
+        assert_eq!(d.requests, 3, "a tenth of 21, rounded up");
+        assert_eq!(d.first_turns, 2);
+        assert_eq!(d.by_reason.get("load_bound"), Some(&1));
+        assert_eq!(d.by_reason.get("cold"), Some(&1));
+        assert_eq!(
+            d.by_reason.get("cache_hit"),
+            Some(&1),
+            "the slowest later turn, 28 ms"
         );
     }
 
