@@ -337,8 +337,8 @@ struct Testimony {
     empty: BTreeSet<RankId>,
     /// Ranks its latest vetted snapshot lists in its rank table (the producer knows the worker).
     listed: BTreeSet<RankId>,
-    /// Listed ranks it speaks for: covered (nodes and a cursor) or named empty.
-    knows: BTreeSet<RankId>,
+    /// Listed ranks it covers (nodes and a cursor).
+    covered: BTreeSet<RankId>,
 }
 
 impl Testimony {
@@ -356,10 +356,9 @@ impl Testimony {
             match coverage {
                 Coverage::Empty => {
                     t.empty.insert(rank);
-                    t.knows.insert(rank);
                 }
                 Coverage::Covered { .. } => {
-                    t.knows.insert(rank);
+                    t.covered.insert(rank);
                 }
                 Coverage::Unknown => {}
             }
@@ -743,9 +742,7 @@ impl<P: Ord + Clone> Sweep<P> {
         let mut unknown = Vec::new();
         for o in self.obligations.values() {
             let r = &o.rank;
-            let covered = witnesses
-                .iter()
-                .any(|t| t.knows.contains(r) && !t.empty.contains(r));
+            let covered = witnesses.iter().any(|t| t.covered.contains(r));
             if covered {
                 continue;
             }

@@ -174,15 +174,18 @@ struct Sample {
 
 /// `(url, dp_rank)` and the reason named by an `x-kvroute-decision` value.
 fn decision_rank_and_reason(decision: &str) -> Option<(String, String)> {
-    let field = |name: &str| {
-        decision
-            .split(';')
-            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
-    };
+    let field = |name| decision_field(decision, name);
     Some((
         format!("{}#{}", field("url")?, field("dp_rank")?),
         field("reason")?.to_string(),
     ))
+}
+
+/// The value of `name` in an `x-kvroute-decision` value (`name=value;...`).
+pub(crate) fn decision_field<'a>(decision: &'a str, name: &str) -> Option<&'a str> {
+    decision
+        .split(';')
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
 }
 
 /// Where a router sent conversations' later turns, from its decision headers: the decision trace
@@ -978,37 +981,30 @@ fn workload_summary(args: &DemoArgs) -> String {
 }
 
 fn workload_json(args: &DemoArgs) -> Value {
-    if args.workload == Workload::LongConversations {
-        let l = &args.long;
-        return json!({
-            "workload": args.workload,
-            "sessions": l.sessions,
-            "system_block_words": long_conversations::SYSTEM_BLOCK_WORDS,
-            "context_words": l.context_words,
-            "session_extra_turns_max": l.session_extra_turns_max,
-            "session_skew": l.session_skew,
-            "session_arrival_ms": l.session_arrival_ms,
-            "think_ms": [l.think_min_ms, l.think_max_ms],
-            "fleet_prefill": args.fleet_prefill,
-            "seed": args.seed,
-            "max_tokens": REPLY_TOKENS_MAX,
-            "model": MODEL,
-            "in_process_fleet": {
-                "engines": ENGINES,
-                "dp_size": DP_SIZE,
-                "block_size": BLOCK_SIZE_TOKENS,
-                "capacity_blocks": l.long_capacity_blocks,
-            },
-        });
-    }
-    json!({
+    let mut doc = match args.workload {
+        Workload::Chat => json!({
+            "conversations": args.conversations,
+            "system_prompts": args.system_prompts,
+            "turns": args.turns,
+            "system_prompt_skew": args.system_prompt_skew,
+            "concurrency": args.concurrency,
+        }),
+        Workload::LongConversations => {
+            let l = &args.long;
+            json!({
+                "sessions": l.sessions,
+                "system_block_words": long_conversations::SYSTEM_BLOCK_WORDS,
+                "context_words": l.context_words,
+                "session_extra_turns_max": l.session_extra_turns_max,
+                "session_skew": l.session_skew,
+                "session_arrival_ms": l.session_arrival_ms,
+                "think_ms": [l.think_min_ms, l.think_max_ms],
+            })
+        }
+    };
+    let shared = json!({
         "workload": args.workload,
-        "conversations": args.conversations,
-        "system_prompts": args.system_prompts,
-        "turns": args.turns,
-        "system_prompt_skew": args.system_prompt_skew,
         "fleet_prefill": args.fleet_prefill,
-        "concurrency": args.concurrency,
         "seed": args.seed,
         "max_tokens": REPLY_TOKENS_MAX,
         "model": MODEL,
@@ -1016,9 +1012,13 @@ fn workload_json(args: &DemoArgs) -> Value {
             "engines": ENGINES,
             "dp_size": DP_SIZE,
             "block_size": BLOCK_SIZE_TOKENS,
-            "capacity_blocks": CAPACITY_BLOCKS,
+            "capacity_blocks": args.capacity_blocks(),
         },
-    })
+    });
+    if let (Some(fields), Value::Object(common)) = (doc.as_object_mut(), shared) {
+        fields.extend(common);
+    }
+    doc
 }
 
 /// One row as JSON (`--json`): the table's figures plus the per-rank balance.

@@ -239,10 +239,9 @@ impl Rotation {
 
 /// `matched_blocks` of an `x-kvroute-decision` header.
 fn matched_blocks(decision: &str) -> Option<u64> {
-    decision
-        .split(';')
-        .find_map(|kv| kv.strip_prefix("matched_blocks="))
-        .and_then(|v| v.parse().ok())
+    crate::decision_field(decision, "matched_blocks")?
+        .parse()
+        .ok()
 }
 
 /// How one replica's predictions compared with what the engines reported, over the requests
