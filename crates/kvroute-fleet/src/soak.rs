@@ -59,6 +59,21 @@ pub const DRAIN_LIMIT_MS: u64 = 60_000;
 pub const RSS_GROWTH_MAX_FRACTION: f64 = 0.10;
 /// The reference point for RSS: minute 2, or half-way through a shorter run.
 pub const RSS_REFERENCE_MAX_S: f64 = 120.0;
+/// Period of the RSS samples kept in the report (the check samples once a second).
+pub const RSS_REPORT_SAMPLE_PERIOD_S: f64 = 5.0;
+
+/// `[seconds, KiB]` pairs, the first sample of every `period_s` window.
+fn rss_curve(samples: &[(f64, u64)], period_s: f64) -> Vec<[u64; 2]> {
+    let mut next_s = 0.0;
+    let mut curve = Vec::new();
+    for &(t, kib) in samples {
+        if t >= next_s {
+            curve.push([t.round() as u64, kib]);
+            next_s = (t / period_s).floor() * period_s + period_s;
+        }
+    }
+    curve
+}
 /// Distinct prompts the client cycles through (chains of 4 blocks over 8 shared prefixes).
 const PROMPTS_MAX: u64 = 4_096;
 /// Device blocks per rank: ~64 chains, so the cycling prompts evict all the time.
@@ -478,6 +493,9 @@ pub async fn run(config: SoakConfig) -> SoakReport {
             "reference": rss_reference,
             "end": rss_end,
             "peak": rss_peak,
+            // The curve, so a failed bound can be told apart (a step at one fault, a steady
+            // climb, a high-water mark under CPU starvation) from the report alone.
+            "samples_every_5_s": rss_curve(&samples, RSS_REPORT_SAMPLE_PERIOD_S),
         },
         "view": {
             "blocks": truth.view.carried(),
@@ -490,5 +508,26 @@ pub async fn run(config: SoakConfig) -> SoakReport {
     SoakReport {
         json,
         failed_checks: failed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_reported_rss_curve_keeps_one_sample_per_period_and_the_first_one() {
+        let samples: Vec<(f64, u64)> = (0..23).map(|i| (0.4 + i as f64, 1_000 + i)).collect();
+        assert_eq!(
+            rss_curve(&samples, 5.0),
+            vec![
+                [0, 1_000],
+                [5, 1_005],
+                [10, 1_010],
+                [15, 1_015],
+                [20, 1_020]
+            ]
+        );
+        assert!(rss_curve(&[], 5.0).is_empty());
     }
 }

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 use clap::{Args, Parser, ValueEnum};
 
 use crate::config::{
-    DEFAULT_BODY_MAX_BYTES, DEFAULT_KV_SNAPSHOT_MAX_BYTES, RouterConfig, WorkerSpec,
+    DEFAULT_BODY_MAX_BYTES, DEFAULT_KV_SNAPSHOT_MAX_BYTES, DEFAULT_TOKENIZE_TEXT_BYTES_MAX,
+    RouterConfig, WorkerSpec,
 };
 use crate::data_plane::limits::{
     ClientLimits, DEFAULT_CLIENT_CONNECTIONS_MAX, DEFAULT_CLIENT_IDLE_TIMEOUT_MS,
@@ -199,6 +200,11 @@ pub struct ServeArgs {
     /// context length (`/server_info`, `/v1/models`) lower it further. 0 = only theirs.
     #[arg(long, env = "KVROUTE_MAX_PROMPT_TOKENS", default_value_t = 0)]
     pub max_prompt_tokens: usize,
+    /// Longest prompt text (or chat content), in bytes, the router tokenizes; a longer one is
+    /// routed on load and forwarded untouched. Tokenizing costs up to ~170 bytes of memory per
+    /// byte of text while it runs.
+    #[arg(long, env = "KVROUTE_TOKENIZE_TEXT_BYTES_MAX", default_value_t = DEFAULT_TOKENIZE_TEXT_BYTES_MAX)]
+    pub tokenize_text_bytes_max: usize,
     /// Close a keep-alive client connection idle this long between requests.
     #[arg(long, env = "KVROUTE_CLIENT_IDLE_TIMEOUT_MS", default_value_t = DEFAULT_CLIENT_IDLE_TIMEOUT_MS)]
     pub client_idle_timeout_ms: u64,
@@ -345,6 +351,7 @@ impl ServeArgs {
                 connections_max: self.client_connections_max,
             },
             prompt_tokens_max: (self.max_prompt_tokens > 0).then_some(self.max_prompt_tokens),
+            tokenize_text_bytes_max: self.tokenize_text_bytes_max,
             peer_source,
             bootstrap: BootstrapConfig {
                 timeout_ms: self.kv_bootstrap_timeout_ms,

@@ -20,6 +20,16 @@ use crate::routing::kv::{KvFlagDefaults, PrefixOracle};
 use crate::routing::pending::DEFAULT_PENDING_PREFIX_TTL_MS;
 use crate::routing::policy::{CostWeights, PolicyKind};
 
+/// Longest prompt text the router tokenizes by default: about 260 k tokens of English, past the
+/// context of most served models, at a worst-case peak of ~170 MB while it is tokenized.
+pub const DEFAULT_TOKENIZE_TEXT_BYTES_MAX: usize = 1024 * 1024;
+/// Large bodies (past `data_plane::request::INLINE_PREPARE_MAX_BYTES`) are prepared on the
+/// blocking pool, each charged up to `tokenize_text_bytes_max` against a budget of this many
+/// times it; the rest wait (at most [`PREPARE_BUDGET_WAIT_MS_MAX`]), so concurrent huge prompts
+/// cannot multiply the tokenizer's peak memory.
+pub const PREPARE_BUDGETS_IN_FLIGHT: usize = 2;
+/// Longest a large body waits for the prepare budget before it is answered 503.
+pub const PREPARE_BUDGET_WAIT_MS_MAX: u64 = 10_000;
 /// Largest request body accepted by default: generous for long prompts as JSON token arrays.
 pub const DEFAULT_BODY_MAX_BYTES: usize = 16 * 1024 * 1024;
 /// Largest encoded snapshot served or accepted by default. Sized for the planned fleet: 64 ranks
@@ -81,6 +91,12 @@ pub struct RouterConfig {
     /// (see [`crate::data_plane`]); 0 = one per available CPU.
     pub data_plane_threads: usize,
     pub tokenizer_cache_entries_max: usize,
+    /// `--tokenize-text-bytes-max`: the longest prompt text (or chat content) the router
+    /// tokenizes; a longer one is routed on load and forwarded untouched, and the engine, which
+    /// tokenizes it anyway, judges it. Tokenizing costs about 170 bytes of peak memory per byte
+    /// of text, so this bounds what one request can make the router hold; with the prepare
+    /// budget ([`PREPARE_BUDGETS_IN_FLIGHT`] of these at once) it bounds all of them.
+    pub tokenize_text_bytes_max: usize,
     /// Extra readiness gates (e.g. peer bootstrap) ANDed with the built-in ones.
     pub extra_readiness_gates: Vec<Arc<dyn ReadinessGate>>,
     /// Seed for the policies' random choices; `None` seeds from the OS.
@@ -167,6 +183,7 @@ impl Default for RouterConfig {
             shutdown_grace_ms: 10_000,
             data_plane_threads: 0,
             tokenizer_cache_entries_max: 65_536,
+            tokenize_text_bytes_max: DEFAULT_TOKENIZE_TEXT_BYTES_MAX,
             extra_readiness_gates: Vec::new(),
             rng_seed: None,
             internal_bind: None,

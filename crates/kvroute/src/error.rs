@@ -28,6 +28,21 @@ pub enum ApiError {
         limit: usize,
         limit_source: &'static str,
     },
+    /// Refused before tokenizing: the text's bytes alone prove it longer than the limit (see
+    /// `routing::text_bound`), so the count is a lower bound.
+    #[error(
+        "the prompt has at least {tokens_at_least} tokens ({text_bytes} bytes of text), more than \
+         this model's limit of {limit} (from {limit_source})"
+    )]
+    PromptTextTooLong {
+        text_bytes: usize,
+        tokens_at_least: usize,
+        limit: usize,
+        limit_source: &'static str,
+    },
+    /// Large bodies already being prepared fill the router's budget for them.
+    #[error("the router is busy preparing other large requests; retry later")]
+    PrepareBusy,
     #[error("the {what} did not arrive within {limit_ms} ms")]
     RequestTimeout { what: &'static str, limit_ms: u64 },
     #[error("model '{0}' not found")]
@@ -56,7 +71,10 @@ impl ApiError {
             ApiError::BadRequest(_) | ApiError::MissingField { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::RequestTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            ApiError::PromptTooLong { .. } => StatusCode::BAD_REQUEST,
+            ApiError::PromptTooLong { .. } | ApiError::PromptTextTooLong { .. } => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::PrepareBusy => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::UnknownModel(_) | ApiError::UnknownWorker(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
@@ -74,7 +92,10 @@ impl ApiError {
             ApiError::MissingField { .. } => ("invalid_request_error", "missing_field"),
             ApiError::BodyTooLarge { .. } => ("invalid_request_error", "body_too_large"),
             ApiError::RequestTimeout { .. } => ("invalid_request_error", "request_timeout"),
-            ApiError::PromptTooLong { .. } => ("invalid_request_error", "context_length_exceeded"),
+            ApiError::PromptTooLong { .. } | ApiError::PromptTextTooLong { .. } => {
+                ("invalid_request_error", "context_length_exceeded")
+            }
+            ApiError::PrepareBusy => ("service_unavailable", "router_busy"),
             ApiError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
             ApiError::UnknownWorker(_) => ("invalid_request_error", "worker_not_found"),
             ApiError::Conflict(_) => ("invalid_request_error", "conflict"),

@@ -506,29 +506,43 @@ async fn a_prompt_over_the_models_token_limit_is_a_400_that_names_the_limit() {
     })
     .await;
     let url = format!("{}/v1/completions", router.url());
+    // The message of the 400 a prompt gets, after checking its code.
+    let refusal = |prompt: serde_json::Value| {
+        let url = url.clone();
+        async move {
+            let resp = client()
+                .post(&url)
+                .json(&json!({"model": "m", "prompt": prompt, "max_tokens": 1}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 400);
+            let v: serde_json::Value = resp.json().await.unwrap();
+            assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+            v["error"]["message"].as_str().unwrap().to_string()
+        }
+    };
     let over: Vec<u32> = (1..=9).collect();
-    let resp = client()
-        .post(&url)
-        .json(&json!({"model": "m", "prompt": over, "max_tokens": 1}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 400);
-    let v: serde_json::Value = resp.json().await.unwrap();
-    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
-    let message = v["error"]["message"].as_str().unwrap();
+    let message = refusal(json!(over)).await;
     assert!(
         message.contains("9 tokens") && message.contains("limit of 8"),
         "{message}"
     );
-    // Text is tokenized first, then held to the same limit.
-    let resp = client()
-        .post(&url)
-        .json(&json!({"model": "m", "prompt": "word ".repeat(50), "max_tokens": 1}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 400);
+    // A short text is tokenized, then held to the same limit with its exact count: 20
+    // words are 100 bytes, too few for the length alone to prove more than 8 tokens (the
+    // shipped tokenizer's longest token is 14 bytes).
+    let message = refusal(json!("word ".repeat(20))).await;
+    assert!(
+        message.contains("has 2") && !message.contains("at least"),
+        "a tokenized count: {message}"
+    );
+    // A longer one is refused from its length alone, before it is tokenized.
+    let message = refusal(json!("word ".repeat(4_000))).await;
+    assert!(
+        message.contains("at least 1429 tokens (20000 bytes of text)")
+            && message.contains("limit of 8"),
+        "{message}"
+    );
     let at_limit: Vec<u32> = (1..=8).collect();
     let resp = client()
         .post(&url)
@@ -536,6 +550,87 @@ async fn a_prompt_over_the_models_token_limit_is_a_400_that_names_the_limit() {
         .send()
         .await
         .unwrap();
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_text_past_the_tokenizing_cap_is_routed_on_load_and_forwarded_as_text() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = router_with(RouterConfig {
+        tokenize_text_bytes_max: 64,
+        ..router_config(&urls(&fleet))
+    })
+    .await;
+    let base = router.url();
+    let untokenized = || async {
+        metric_value(
+            &metrics_text(&base).await,
+            r#"kvroute_untokenized_prompts_total{reason="text_too_long"}"#,
+        )
+    };
+    for (prompt, counted) in [("word ".repeat(12), None), ("word ".repeat(13), Some("1"))] {
+        let resp = client()
+            .post(format!("{base}/v1/completions"))
+            .json(&json!({"model": "m", "prompt": prompt, "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        // The engine answers either way: it tokenizes what it is sent.
+        let status = resp.status();
+        let v: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(status, 200, "{} bytes: {v}", prompt.len());
+        assert!(
+            v["usage"]["prompt_tokens"].as_u64().unwrap() >= 12,
+            "the engine saw the whole prompt: {v}"
+        );
+        assert_eq!(
+            untokenized().await.as_deref(),
+            counted,
+            "{} bytes against a cap of 64",
+            prompt.len()
+        );
+    }
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_large_body_waits_for_the_prepare_budget_and_is_answered_503_past_the_wait() {
+    let fleet = fleet(1, 1, "m").await;
+    let router = router_with(RouterConfig {
+        tokenize_text_bytes_max: 64 * 1024,
+        ..router_config(&urls(&fleet))
+    })
+    .await;
+    // Other large bodies hold the whole budget (taken here directly, as their preparation
+    // would), and a new one past the inline size must wait for it.
+    let budget = kvroute::config::PREPARE_BUDGETS_IN_FLIGHT * 64 * 1024;
+    let held = router
+        .router
+        .prepare_budget
+        .clone()
+        .acquire_many_owned(budget as u32)
+        .await
+        .unwrap();
+    let ids: Vec<u32> = (0..20_000).collect();
+    let body = json!({"model": "m", "prompt": ids, "max_tokens": 1});
+    let url = format!("{}/v1/completions", router.url());
+    let started = std::time::Instant::now();
+    let resp = client().post(&url).json(&body).send().await.unwrap();
+    let waited = started.elapsed();
+    assert_eq!(resp.status(), 503);
+    let v: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "router_busy", "{v}");
+    assert!(
+        waited >= std::time::Duration::from_millis(kvroute::config::PREPARE_BUDGET_WAIT_MS_MAX),
+        "answered after {waited:?}, before the {} ms wait",
+        kvroute::config::PREPARE_BUDGET_WAIT_MS_MAX
+    );
+    // Once the budget is free, the same body is served.
+    drop(held);
+    let resp = client().post(&url).json(&body).send().await.unwrap();
     assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
     router.shutdown().await;
     fleet.shutdown().await;

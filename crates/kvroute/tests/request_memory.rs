@@ -4,6 +4,12 @@
 //! body). The router's peak resident memory may grow by at most four times the bodies' total
 //! size. Measured on the router PROCESS (`/proc/<pid>/status`), so the simulated engines, which
 //! run in the test process and parse those bodies too, do not count.
+//!
+//! The same bound holds for TEXT prompts of that size, which the router would otherwise
+//! tokenize at ~170 bytes of memory per byte (8 such bodies took the router to 9 GB): with the
+//! model's tokenizer configured they are either refused from their length alone (a prompt-token
+//! limit is known, `routing::text_bound`) or, past `--tokenize-text-bytes-max`, routed on load
+//! untokenized.
 
 mod common;
 
@@ -53,8 +59,73 @@ fn maximal_body(bytes: usize) -> Vec<u8> {
     body
 }
 
+/// `{"model":"m","max_tokens":1,"prompt":"ab cd ab cd ..."}` of about `bytes` bytes: the text
+/// that costs the tokenizer most per byte (a pre-token every three bytes).
+fn maximal_text_body(bytes: usize) -> Vec<u8> {
+    let mut body = br#"{"model":"m","max_tokens":1,"prompt":""#.to_vec();
+    while body.len() + 8 < bytes {
+        body.extend_from_slice(b"ab cd ");
+    }
+    body.extend_from_slice(b"\"}");
+    body
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_concurrent_maximal_bodies_grow_the_router_by_at_most_four_times_their_size() {
+    eight_concurrent_bodies_within_the_growth_bound(maximal_body(BODY_BYTES), &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_maximal_text_prompts_past_the_tokenizing_cap_are_routed_untokenized_within_the_bound()
+ {
+    let tokenizer = format!("m={}", common::tokenizer_path().display());
+    let answered = eight_concurrent_bodies_within_the_growth_bound(
+        maximal_text_body(BODY_BYTES),
+        &["--model-tokenizer", &tokenizer],
+    )
+    .await;
+    assert!(
+        answered.untokenized >= (BODIES + 1) as u64,
+        "every text past the cap is counted untokenized: {answered:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_maximal_text_prompts_over_the_token_limit_are_refused_before_tokenizing() {
+    let tokenizer = format!("m={}", common::tokenizer_path().display());
+    let answered = eight_concurrent_bodies_within_the_growth_bound(
+        maximal_text_body(BODY_BYTES),
+        &[
+            "--model-tokenizer",
+            &tokenizer,
+            "--max-prompt-tokens",
+            "32768",
+        ],
+    )
+    .await;
+    assert_eq!(answered.status, 400, "{answered:?}");
+    assert!(
+        answered.body.contains("at least") && answered.body.contains("context_length_exceeded"),
+        "refused from the text's length, not from a token count: {answered:?}"
+    );
+    assert_eq!(answered.untokenized, 0, "{answered:?}");
+}
+
+#[derive(Debug)]
+struct Answered {
+    status: u16,
+    body: String,
+    /// `kvroute_untokenized_prompts_total{reason="text_too_long"}` after the run.
+    untokenized: u64,
+}
+
+/// Sends `body` once, then eight times at once, to a `kvroute` process started with `extra`
+/// flags; asserts every answer has the first one's status and the router's peak RSS grew by
+/// at most [`GROWTH_FACTOR_MAX`] times the eight bodies' size.
+async fn eight_concurrent_bodies_within_the_growth_bound(
+    body: Vec<u8>,
+    extra: &[&str],
+) -> Answered {
     // The engine takes the whole body (its own limit is raised above it) and refuses the prompt
     // as too long for it: the router does all its work, and every answer is the same.
     let fleet = kvroute_sim::start_fleet(kvroute_sim::SimConfig {
@@ -80,6 +151,7 @@ async fn eight_concurrent_maximal_bodies_grow_the_router_by_at_most_four_times_t
             "--data-plane-threads",
             "2",
         ])
+        .args(extra)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -100,7 +172,7 @@ async fn eight_concurrent_maximal_bodies_grow_the_router_by_at_most_four_times_t
         },
     )
     .await;
-    let body = bytes::Bytes::from(maximal_body(BODY_BYTES));
+    let body = bytes::Bytes::from(body);
     // One request first, so what the first request allocates once (pools, caches) is in the
     // baseline rather than counted as growth.
     let http = client();
@@ -112,7 +184,7 @@ async fn eight_concurrent_maximal_bodies_grow_the_router_by_at_most_four_times_t
         .await
         .expect("the warm-up request is answered");
     let warm_status = warm.status();
-    let _ = warm.bytes().await;
+    let warm_body = String::from_utf8_lossy(&warm.bytes().await.unwrap_or_default()).into_owned();
     let (before, peak_before) = rss_and_peak(pid);
     let mut sends = tokio::task::JoinSet::new();
     for _ in 0..BODIES {
@@ -156,6 +228,16 @@ async fn eight_concurrent_maximal_bodies_grow_the_router_by_at_most_four_times_t
         body.len() >> 20,
         growth as f64 / total as f64
     );
+    let untokenized = metric_value(
+        &metrics_text(&base).await,
+        r#"kvroute_untokenized_prompts_total{reason="text_too_long"}"#,
+    )
+    .map_or(0, |v| v.parse::<u64>().expect("a counter"));
     drop(router);
     fleet.shutdown().await;
+    Answered {
+        status: warm_status.as_u16(),
+        body: warm_body,
+        untokenized,
+    }
 }

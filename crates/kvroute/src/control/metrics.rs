@@ -18,6 +18,9 @@ pub struct Metrics {
     pub upstream_failures: IntCounterVec,
     pub retries: IntCounterVec,
     pub tokenizer_cache: IntCounterVec,
+    /// Text prompts (and chats) the router routed on load without tokenizing, by reason:
+    /// `text_too_long` (past `--tokenize-text-bytes-max`).
+    pub untokenized_prompts: IntCounterVec,
     pub data_plane_connections: IntCounterVec,
     /// Client connections open on the public listener (what `--client-connections-max` caps).
     pub client_connections_open: prometheus::IntGauge,
@@ -117,6 +120,14 @@ impl Metrics {
         registry.register(Box::new(upstream_failures.clone()))?;
         registry.register(Box::new(retries.clone()))?;
         registry.register(Box::new(tokenizer_cache.clone()))?;
+        let untokenized_prompts = IntCounterVec::new(
+            Opts::new(
+                "kvroute_untokenized_prompts_total",
+                "Text prompts routed on load without tokenizing, by reason",
+            ),
+            &["reason"],
+        )?;
+        registry.register(Box::new(untokenized_prompts.clone()))?;
         let client_connections_open = prometheus::IntGauge::new(
             "kvroute_client_connections_open",
             "Client connections open on the public listener",
@@ -190,6 +201,7 @@ impl Metrics {
             upstream_failures,
             retries,
             tokenizer_cache,
+            untokenized_prompts,
             data_plane_connections,
             client_connections_open,
             client_connections_closed,

@@ -52,6 +52,9 @@ pub struct Router {
     pub predictions: crate::routing::prediction::PredictionChecks,
     /// The siblings' load bookings as followed (see [`crate::peer::load_share`]).
     pub load_share: crate::peer::load_share::LoadShare,
+    /// Bytes of large bodies being prepared at once (see
+    /// [`crate::config::PREPARE_BUDGETS_IN_FLIGHT`]).
+    pub prepare_budget: Arc<tokio::sync::Semaphore>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -109,6 +112,11 @@ impl Router {
             registry: Registry::new(config.prompt_tokens_max),
             predictions: crate::routing::prediction::PredictionChecks::new(config.prediction_check),
             load_share: Default::default(),
+            prepare_budget: Arc::new(tokio::sync::Semaphore::new(
+                crate::config::PREPARE_BUDGETS_IN_FLIGHT
+                    .saturating_mul(config.tokenize_text_bytes_max)
+                    .clamp(1, u32::MAX as usize),
+            )),
             tokenizers: TokenizerSet::default(),
             shutdown: CancellationToken::new(),
             metrics,

@@ -13,10 +13,12 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use serde_json::{Map, Value};
 
+use crate::config::PREPARE_BUDGET_WAIT_MS_MAX;
 use crate::control::registry::ModelGroup;
 use crate::control::router::Router;
 use crate::data_plane::forward::{self, Endpoint, Forward};
 use crate::error::ApiError;
+use crate::routing::tokenize::ModelTokenizer;
 use kvroute_http1::client::UpstreamClient;
 
 /// Bodies up to this size are prepared (parsed, tokenized) on the async worker; larger ones on
@@ -49,10 +51,28 @@ pub async fn route_request(
     let prepared = if bytes.len() <= INLINE_PREPARE_MAX_BYTES {
         prepare(router, endpoint, &bytes)?
     } else {
+        // Charged what it can make the tokenizer hold: its text, at most the tokenizing cap.
+        let charge = bytes.len().min(router.config.tokenize_text_bytes_max);
+        let budget = tokio::time::timeout(
+            std::time::Duration::from_millis(PREPARE_BUDGET_WAIT_MS_MAX),
+            router
+                .prepare_budget
+                .clone()
+                .acquire_many_owned(u32::try_from(charge).unwrap_or(u32::MAX)),
+        )
+        .await
+        .map_err(|_| ApiError::PrepareBusy)?
+        .map_err(|_| ApiError::PrepareBusy)?;
         let (r, b) = (router.clone(), bytes.clone());
-        tokio::task::spawn_blocking(move || prepare(&r, endpoint, &b))
-            .await
-            .map_err(|e| ApiError::Internal(format!("request preparation failed: {e}")))??
+        // The permit travels with the work: a client that goes away drops this future, not the
+        // tokenizing, which must stay counted until it ends.
+        tokio::task::spawn_blocking(move || {
+            let prepared = prepare(&r, endpoint, &b);
+            drop(budget);
+            prepared
+        })
+        .await
+        .map_err(|e| ApiError::Internal(format!("request preparation failed: {e}")))??
     };
     let Prepared {
         group,
@@ -141,6 +161,47 @@ fn check_prompt_length(group: &ModelGroup, tokens: &[u32]) -> Result<(), ApiErro
     }
 }
 
+/// Whether the router tokenizes a prompt text of `text_bytes` bytes: `Ok(true)` to tokenize,
+/// `Ok(false)` to route it on load and forward it untouched (past
+/// `--tokenize-text-bytes-max`), or the refusal when its length alone proves it longer than the
+/// model's limit (see [`crate::routing::text_bound`]), which spares tokenizing it at all.
+fn admit_text(
+    router: &Router,
+    group: &ModelGroup,
+    tokenizer: &ModelTokenizer,
+    text_bytes: usize,
+) -> Result<bool, ApiError> {
+    if let (Some(max), Some(per_token)) = (
+        group.prompt_tokens_max,
+        tokenizer.text_bytes_per_token_max(),
+    ) {
+        let tokens_at_least = crate::routing::text_bound::tokens_at_least(text_bytes, per_token);
+        if tokens_at_least > max.tokens {
+            return Err(ApiError::PromptTextTooLong {
+                text_bytes,
+                tokens_at_least,
+                limit: max.tokens,
+                limit_source: max.source,
+            });
+        }
+    }
+    Ok(within_tokenize_cap(router, text_bytes))
+}
+
+/// True when text of `text_bytes` bytes is within `--tokenize-text-bytes-max`; counts the ones
+/// that are not.
+fn within_tokenize_cap(router: &Router, text_bytes: usize) -> bool {
+    if text_bytes <= router.config.tokenize_text_bytes_max {
+        return true;
+    }
+    router
+        .metrics
+        .untokenized_prompts
+        .with_label_values(&["text_too_long"])
+        .inc();
+    false
+}
+
 pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prepared, ApiError> {
     let prepared = prepare_unchecked(router, endpoint, bytes)?;
     check_prompt_length(&prepared.group, &prepared.tokens)?;
@@ -188,7 +249,7 @@ fn prepare_unchecked(
                 None => return Err(bad("'input_ids' must be an array of token ids (u32)")),
             },
             (_, Some(Value::String(text))) => match &tok {
-                Some(t) => {
+                Some(t) if admit_text(router, &group, t, text.len())? => {
                     let ids = t.encode_prompt(text).map_err(|e| bad(e.to_string()))?;
                     body.remove("text");
                     rewritten = true;
@@ -198,7 +259,7 @@ fn prepare_unchecked(
                     );
                     ids
                 }
-                None => Vec::new(),
+                _ => Vec::new(),
             },
             (_, Some(Value::Array(_))) => Vec::new(),
             (_, Some(_)) => return Err(bad("'text' must be a string or an array of strings")),
@@ -207,7 +268,7 @@ fn prepare_unchecked(
         Endpoint::Completions => match body.get("prompt") {
             None | Some(Value::Null) => return Err(missing("prompt", "'prompt' is required")),
             Some(Value::String(text)) => match &tok {
-                Some(t) => {
+                Some(t) if admit_text(router, &group, t, text.len())? => {
                     let ids = t.encode_prompt(text).map_err(|e| bad(e.to_string()))?;
                     rewritten = true;
                     body.insert(
@@ -216,7 +277,7 @@ fn prepare_unchecked(
                     );
                     ids
                 }
-                None => Vec::new(),
+                _ => Vec::new(),
             },
             Some(p @ Value::Array(items)) => match token_array(p) {
                 Some(t) => t,
@@ -238,7 +299,10 @@ fn prepare_unchecked(
                 Some(_) => return Err(bad("'messages' must be an array")),
             };
             match &tok {
-                Some(t) if t.has_chat_template() => {
+                // A template may drop content, so a chat's text length proves no token count;
+                // only the tokenizing cap applies, measured on the whole body (which holds all
+                // the template can render).
+                Some(t) if t.has_chat_template() && within_tokenize_cap(router, bytes.len()) => {
                     let normalized = crate::routing::tokenize::normalize_messages(messages);
                     match t.encode_chat(&normalized) {
                         Ok((ids, how)) => {

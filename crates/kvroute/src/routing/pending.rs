@@ -458,7 +458,18 @@ impl PendingPrefixes {
         if pending_hit {
             table.hits.inc();
         }
-        table.record(hashes, from, rank, self.now_ms(now), self.ttl_ms);
+        // The clock counts whole milliseconds, rounded down; an entry recorded 0.9 ms into a
+        // millisecond would otherwise expire up to 1 ms before its TTL has passed. Lengthening
+        // its TTL by the rounding keeps the promise `never before recorded + ttl`.
+        let since_epoch = now.saturating_duration_since(self.epoch);
+        let rounding_ms = u64::from(!since_epoch.subsec_nanos().is_multiple_of(1_000_000));
+        table.record(
+            hashes,
+            from,
+            rank,
+            self.now_ms(now),
+            self.ttl_ms + rounding_ms,
+        );
     }
 }
 
@@ -628,6 +639,36 @@ mod tests {
         // Expiring them one by one empties the shared slot without losing track of anyone.
         t.record(&hashes(1, 99_999), 0, rank(99, 0), 2_000, 1_000);
         assert_eq!(t.len(), 1);
+    }
+
+    #[test]
+    fn an_entry_recorded_mid_millisecond_never_expires_before_its_ttl() {
+        use std::time::Duration;
+        let reg = prometheus::Registry::new();
+        let p = PendingPrefixes::new(1_000, &reg).unwrap();
+        // 0.9 ms into millisecond 100: the whole-millisecond clock reads 100.
+        let recorded = p.epoch + Duration::from_micros(100_900);
+        p.record("m", &hashes(2, 0), 0, rank(1, 0), recorded, false);
+        let table = p.model("m").unwrap();
+        // 999.2 ms later the clock reads 1,100 = 100 + TTL; the entry must still hold.
+        let almost = recorded + Duration::from_micros(999_200);
+        assert_eq!(
+            walk(
+                &table,
+                &hashes(2, 0),
+                p.now_ms(almost),
+                &[(rank(1, 0), 0, 0)]
+            ),
+            vec![(2, 2)],
+            "expired {:?} after recording, before the 1,000 ms TTL",
+            almost - recorded
+        );
+        let past = recorded + Duration::from_millis(1_001);
+        assert_eq!(
+            walk(&table, &hashes(2, 0), p.now_ms(past), &[(rank(1, 0), 0, 0)]),
+            vec![(0, 0)],
+            "still held 1,001 ms after recording"
+        );
     }
 
     #[test]

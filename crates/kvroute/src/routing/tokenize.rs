@@ -190,6 +190,9 @@ pub struct ModelTokenizer {
     /// When the last periodic verification started, in ms since `created` (`u64::MAX`: never).
     last_verify_ms: AtomicU64,
     created: std::time::Instant,
+    /// The most text bytes one token can stand for, when the pipeline allows a bound
+    /// (see [`crate::routing::text_bound`]).
+    text_bytes_per_token_max: Option<usize>,
     pub path: PathBuf,
 }
 
@@ -220,6 +223,12 @@ impl ModelTokenizer {
         };
         let tokenizer =
             tokenizers::Tokenizer::from_file(&file).map_err(|e| load_err(e.to_string()))?;
+        // The pipeline's description, read once more as plain JSON: which stages it has is what
+        // decides whether a text's token count has a lower bound.
+        let text_bytes_per_token_max = std::fs::read(&file)
+            .ok()
+            .and_then(|raw| serde_json::from_slice::<Value>(&raw).ok())
+            .and_then(|json| crate::routing::text_bound::bytes_per_token_max(&json));
         let config_path = file
             .parent()
             .map(|d| d.join("tokenizer_config.json"))
@@ -273,8 +282,15 @@ impl ModelTokenizer {
             verifications_done: AtomicU64::new(0),
             last_verify_ms: AtomicU64::new(u64::MAX),
             created: std::time::Instant::now(),
+            text_bytes_per_token_max,
             path: file,
         })
+    }
+
+    /// The most text bytes one token can stand for, or `None` when this tokenizer allows no
+    /// such bound (see [`crate::routing::text_bound`]).
+    pub fn text_bytes_per_token_max(&self) -> Option<usize> {
+        self.text_bytes_per_token_max
     }
 
     pub fn has_chat_template(&self) -> bool {

@@ -135,6 +135,16 @@ pub async fn metrics_text(base: &str) -> String {
         .unwrap()
 }
 
+/// The value of the sample line that starts with `series` (name and labels exactly as the
+/// router prints them), `None` when the router printed no such line.
+pub fn metric_value(metrics: &str, series: &str) -> Option<String> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .map(str::to_string)
+}
+
 /// Stores a fresh one-block chain (distinct per `attempt`) on the rank: a batch the engine
 /// must announce, since it never held those blocks.
 fn store_sentinel(engine: &kvroute_sim::EngineHandle, rank: u32, attempt: u32) {
