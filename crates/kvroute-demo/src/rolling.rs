@@ -15,6 +15,9 @@
 //! replicas' internal listeners as `--kv-peers` and grafts a snapshot under its live stream) and
 //! `cold` (no peers: the new replica sees only blocks stored after it subscribed). The first
 //! replicas of both runs start before any request, so they watch every engine from sequence 0.
+//! No replica shares load bookings by default (`--rolling-load-share` lets the new ones): the
+//! first replicas have no siblings to share with, and sharing on one side only would mix a
+//! second effect into a chart about the bootstrap.
 //!
 //! Figures are computed per time window of request START times (a request belongs to the fleet
 //! state that routed it): the engines' own `cached_tokens / prompt_tokens` from the usage chunks,
@@ -82,6 +85,13 @@ pub struct RollingArgs {
     /// system font library).
     #[arg(long, default_value = crate::chart::DEFAULT_CHART_FONT)]
     pub chart_font: std::path::PathBuf,
+    /// Let the new replicas share load bookings with the siblings they bootstrap from. Off by
+    /// default: the first replicas have no siblings to share with (they start before any peer
+    /// exists, and a static peer list cannot grow), so sharing on the new ones only would make
+    /// the fleet asymmetric (a new replica counting its siblings' bookings, they not counting
+    /// its) and mix a second effect into a chart that is about the bootstrap.
+    #[arg(long)]
+    pub rolling_load_share: bool,
 }
 
 impl Default for RollingArgs {
@@ -95,6 +105,7 @@ impl Default for RollingArgs {
             rolling_window_ms: 2_000,
             chart_out: "docs/img/rolling-update.png".into(),
             chart_font: crate::chart::DEFAULT_CHART_FONT.into(),
+            rolling_load_share: false,
         }
     }
 }
@@ -379,6 +390,7 @@ fn replica_config(
     fleet: &kvroute_sim::Fleet,
     seed: u64,
     peers: &[String],
+    load_share: bool,
 ) -> Result<RouterConfig, String> {
     let base = RouterConfig {
         decision_header: true,
@@ -398,6 +410,10 @@ fn replica_config(
                 advertise_url: None,
             },
         )),
+        load_share: kvroute::peer::load_share::LoadShareConfig {
+            enabled: load_share,
+            ..base.load_share
+        },
         ..base
     })
 }
@@ -456,7 +472,7 @@ async fn run_rollout(
     let http = reqwest::Client::new();
     let mut replicas: std::collections::VecDeque<kvroute::RouterHandle> = Default::default();
     for _ in 0..rolling.rolling_replicas {
-        let handle = kvroute::serve(replica_config(&fleet, args.seed, &[])?)
+        let handle = kvroute::serve(replica_config(&fleet, args.seed, &[], false)?)
             .await
             .map_err(|e| e.to_string())?;
         wait_subscribed(&handle.router, ENGINES * DP_SIZE).await?;
@@ -540,7 +556,12 @@ async fn run_rollout(
             RolloutMode::Bootstrap => replicas.iter().map(|r| r.internal_url()).collect(),
             RolloutMode::Cold => Vec::new(),
         };
-        let fresh = match replica_config(&fleet, args.seed.wrapping_add(u64::from(i) + 1), &peers) {
+        let fresh = match replica_config(
+            &fleet,
+            args.seed.wrapping_add(u64::from(i) + 1),
+            &peers,
+            rolling.rolling_load_share,
+        ) {
             Ok(config) => kvroute::serve(config).await.map_err(|e| e.to_string()),
             Err(e) => Err(e),
         };
@@ -642,6 +663,7 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
                 "interval_ms": args.rolling.rolling_interval_ms,
                 "cooldown_ms": args.rolling.rolling_cooldown_ms,
                 "window_ms": args.rolling.rolling_window_ms,
+                "new_replicas_share_load": args.rolling.rolling_load_share,
                 "runs": runs.iter().map(run_json).collect::<Vec<_>>(),
                 "chart": args.rolling.chart_out,
             })

@@ -5,7 +5,8 @@
 //!
 //! * no panic in any process's log;
 //! * the router's RSS at the end within 10 % of its value at the reference point (minute 2, or
-//!   half-way through a shorter run): memory stays flat;
+//!   half-way through a shorter run): memory stays flat. The report keeps the curve (a sample
+//!   every 5 s), so a failed bound can be read as a step, a climb or a high-water mark;
 //! * the router's view equals the engines' caches, once settled (the harness's rule 2);
 //! * every request got a response: a success, or a proper error status (the only errors the
 //!   chaos can cause are 504s from requests stalled before their head, and there must be
