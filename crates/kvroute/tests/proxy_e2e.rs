@@ -98,6 +98,18 @@ async fn malformed_and_oversized_requests_get_400_and_413() {
             413,
             "body_too_large",
         ),
+        // Nested past serde's depth limit under a key the router does not read: a client
+        // mistake (400), never an internal error.
+        (
+            "/v1/completions",
+            format!(
+                r#"{{"model":"m","prompt":[1],"x":{}{}}}"#,
+                "[".repeat(1_000),
+                "]".repeat(1_000)
+            ),
+            400,
+            "invalid_request",
+        ),
     ];
     for (path, body, want, code) in cases {
         let resp = http
