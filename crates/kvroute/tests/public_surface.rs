@@ -564,12 +564,8 @@ async fn a_text_past_the_tokenizing_cap_is_routed_on_load_and_forwarded_as_text(
     })
     .await;
     let base = router.url();
-    let untokenized = || async {
-        metric_value(
-            &metrics_text(&base).await,
-            r#"kvroute_untokenized_prompts_total{reason="text_too_long"}"#,
-        )
-    };
+    let untokenized =
+        || async { metric_value(&metrics_text(&base).await, UNTOKENIZED_TEXT_TOO_LONG) };
     for (prompt, counted) in [("word ".repeat(12), None), ("word ".repeat(13), Some("1"))] {
         let resp = client()
             .post(format!("{base}/v1/completions"))
@@ -606,12 +602,10 @@ async fn a_large_body_waits_for_the_prepare_budget_and_is_answered_503_past_the_
     .await;
     // Other large bodies hold the whole budget (taken here directly, as their preparation
     // would), and a new one past the inline size must wait for it.
-    let budget = kvroute::config::PREPARE_BUDGETS_IN_FLIGHT * 64 * 1024;
-    let held = router
-        .router
-        .prepare_budget
+    let budget = &router.router.prepare_budget;
+    let held = budget
         .clone()
-        .acquire_many_owned(budget as u32)
+        .acquire_many_owned(budget.available_permits() as u32)
         .await
         .unwrap();
     let ids: Vec<u32> = (0..20_000).collect();

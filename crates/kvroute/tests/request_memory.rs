@@ -228,11 +228,8 @@ async fn eight_concurrent_bodies_within_the_growth_bound(
         body.len() >> 20,
         growth as f64 / total as f64
     );
-    let untokenized = metric_value(
-        &metrics_text(&base).await,
-        r#"kvroute_untokenized_prompts_total{reason="text_too_long"}"#,
-    )
-    .map_or(0, |v| v.parse::<u64>().expect("a counter"));
+    let untokenized = metric_value(&metrics_text(&base).await, UNTOKENIZED_TEXT_TOO_LONG)
+        .map_or(0, |v| v.parse::<u64>().expect("a counter"));
     drop(router);
     fleet.shutdown().await;
     Answered {

@@ -221,13 +221,13 @@ impl ModelTokenizer {
             path: file.clone(),
             reason,
         };
+        let raw = std::fs::read(&file).map_err(|e| load_err(e.to_string()))?;
         let tokenizer =
-            tokenizers::Tokenizer::from_file(&file).map_err(|e| load_err(e.to_string()))?;
-        // The pipeline's description, read once more as plain JSON: which stages it has is what
-        // decides whether a text's token count has a lower bound.
-        let text_bytes_per_token_max = std::fs::read(&file)
+            tokenizers::Tokenizer::from_bytes(&raw).map_err(|e| load_err(e.to_string()))?;
+        // The same bytes as plain JSON: which stages the pipeline has is what decides whether a
+        // text's token count has a lower bound.
+        let text_bytes_per_token_max = serde_json::from_slice::<Value>(&raw)
             .ok()
-            .and_then(|raw| serde_json::from_slice::<Value>(&raw).ok())
             .and_then(|json| crate::routing::text_bound::bytes_per_token_max(&json));
         let config_path = file
             .parent()

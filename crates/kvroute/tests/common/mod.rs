@@ -135,6 +135,10 @@ pub async fn metrics_text(base: &str) -> String {
         .unwrap()
 }
 
+/// The counter of text prompts routed untokenized past `--tokenize-text-bytes-max`.
+pub const UNTOKENIZED_TEXT_TOO_LONG: &str =
+    r#"kvroute_untokenized_prompts_total{reason="text_too_long"}"#;
+
 /// The value of the sample line that starts with `series` (name and labels exactly as the
 /// router prints them), `None` when the router printed no such line.
 pub fn metric_value(metrics: &str, series: &str) -> Option<String> {
