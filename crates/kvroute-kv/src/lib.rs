@@ -7,6 +7,7 @@
 //! * [`rank_state`]: the pure per-rank sequencing machine (duplicates, gaps, restarts, replay);
 //! * `pump`: the single writer of each model's index, executing the machine's decisions;
 //! * [`plane`]: the [`KvPlane`] handle the router uses;
+//! * [`engine_loads`]: the engines' own load reports, laid out for the routing path's reads;
 //! * [`bootstrap`]: what the plane and the service's peer-bootstrap task say to each other.
 //!
 //! Sockets live in subscriber and replay tasks; exactly one task per model (the pump) writes that
@@ -14,6 +15,7 @@
 
 pub mod bootstrap;
 pub mod discovery;
+pub mod engine_loads;
 pub mod metrics;
 pub mod plane;
 mod pump;

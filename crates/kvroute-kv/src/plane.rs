@@ -32,6 +32,7 @@ use crate::bootstrap::{
     BOOTSTRAP_EVENTS_CAPACITY, BootstrapEvent, GraftReceipt, GraftTarget, SPLICE_PROBE_INTERVAL_MS,
 };
 use crate::discovery::{DiscoveryError, KvEventsConfig};
+use crate::engine_loads::EngineLoads;
 use crate::metrics::KvMetrics;
 use crate::pump::{PUMP_CHANNEL_CAPACITY, Pump, PumpConfig, PumpMsg};
 use crate::rank_state::BootstrapOutcome;
@@ -134,7 +135,7 @@ struct Inner {
     /// Held across the awaits of add/remove; see the module doc.
     workers: Mutex<HashMap<String, WorkerEntry>>,
     status: Arc<StatusTable>,
-    loads: Arc<RwLock<HashMap<RankKey, LoadStat>>>,
+    loads: Arc<EngineLoads>,
     next_incarnation: AtomicU64,
     shutdown: CancellationToken,
     events_tx: mpsc::Sender<BootstrapEvent>,
@@ -160,7 +161,7 @@ impl KvPlane {
                 models: RwLock::new(HashMap::new()),
                 workers: Mutex::new(HashMap::new()),
                 status: Arc::new(StatusTable::default()),
-                loads: Arc::new(RwLock::new(HashMap::new())),
+                loads: Arc::new(EngineLoads::new()),
                 next_incarnation: AtomicU64::new(1),
                 shutdown: CancellationToken::new(),
                 events_tx,
@@ -529,7 +530,7 @@ impl KvPlane {
                 dp_rank,
             };
             inner.status.remove(&key);
-            inner.loads.write().remove(&key);
+            inner.loads.remove_rank(&key);
             inner.metrics.forget_rank(url, dp_rank);
         }
         tracing::info!(worker = url, model = %entry.model, "worker removed from the KV plane");
@@ -548,11 +549,17 @@ impl KvPlane {
     }
 
     pub fn engine_load(&self, url: &str, dp_rank: u32) -> Option<LoadStat> {
-        let key = RankKey {
-            url: Arc::from(url),
-            dp_rank,
-        };
-        self.inner.loads.read().get(&key).copied()
+        self.inner.loads.get(url, dp_rank)
+    }
+
+    /// Every rank's engine-reported load of the worker at `url`, read under one lock (the
+    /// routing path reads all ranks of every worker per request).
+    pub fn with_engine_loads<R>(
+        &self,
+        url: &str,
+        read: impl FnOnce(&[Option<LoadStat>]) -> R,
+    ) -> R {
+        self.inner.loads.with_worker(url, read)
     }
 
     /// Stops every subscriber, replay and pump task and waits for them.

@@ -38,11 +38,11 @@ use std::time::{Duration, Instant};
 use kvroute_index::{GraftJob, GraftPlan, GraftProgress, GraftReport, IndexWriter, RankId};
 use kvroute_wire::snapshot::RankRef;
 use kvroute_wire::{EventBatch, KvEvent, LoadStat};
-use parking_lot::RwLock;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::bootstrap::{BootstrapEvent, GraftDisposition, GraftReceipt, GraftTarget};
+use crate::engine_loads::EngineLoads;
 use crate::metrics::{KvMetrics, TIER_LABELS};
 use crate::rank_state::{Action, BootstrapOutcome, HeldCost, Phase, RankMachine, ReplayAnswer};
 use crate::status::{BootstrapState, RankKey, SequencingProgress, StatusTable};
@@ -216,7 +216,7 @@ pub(crate) struct Pump<S: KvSource> {
     pub tx: mpsc::Sender<PumpMsg>,
     pub metrics: KvMetrics,
     pub status: Arc<StatusTable>,
-    pub loads: Arc<RwLock<HashMap<RankKey, LoadStat>>>,
+    pub loads: Arc<EngineLoads>,
     pub cancel: CancellationToken,
     cfg: PumpConfig,
     ranks: HashMap<RankKey, PumpRank>,
@@ -239,7 +239,7 @@ impl<S: KvSource> Pump<S> {
         tx: mpsc::Sender<PumpMsg>,
         metrics: KvMetrics,
         status: Arc<StatusTable>,
-        loads: Arc<RwLock<HashMap<RankKey, LoadStat>>>,
+        loads: Arc<EngineLoads>,
         cancel: CancellationToken,
         cfg: PumpConfig,
     ) -> Self {
@@ -417,7 +417,7 @@ impl<S: KvSource> Pump<S> {
                     .collect();
                 for key in keys {
                     self.drop_rank(&key);
-                    self.loads.write().remove(&key);
+                    self.loads.remove_rank(&key);
                 }
                 let _ = done.send(());
             }
@@ -427,7 +427,7 @@ impl<S: KvSource> Pump<S> {
                 stat,
             } => {
                 if current(&mut self.ranks, &key, incarnation).is_some() {
-                    self.loads.write().insert(key, stat);
+                    self.loads.set(&key, stat);
                 }
             }
             PumpMsg::Graft {
@@ -1113,7 +1113,7 @@ mod tests {
     struct Harness {
         tx: mpsc::Sender<PumpMsg>,
         reader: IndexReader,
-        loads: Arc<RwLock<HashMap<RankKey, LoadStat>>>,
+        loads: Arc<EngineLoads>,
         status: Arc<StatusTable>,
         cancel: CancellationToken,
     }
@@ -1122,7 +1122,7 @@ mod tests {
         let (writer, reader) = PrefixIndex::new(IndexConfig::new(4));
         let (tx, rx) = mpsc::channel(PUMP_CHANNEL_CAPACITY);
         let metrics = KvMetrics::register(&prometheus::Registry::new()).unwrap();
-        let loads = Arc::new(RwLock::new(HashMap::new()));
+        let loads = Arc::new(EngineLoads::new());
         let cancel = CancellationToken::new();
         let status = Arc::new(StatusTable::default());
         let pump = Pump::new(
@@ -1265,10 +1265,10 @@ mod tests {
         h.add(key("http://w"), 1).await;
         h.tx.send(load("http://w", 1)).await.unwrap();
         h.barrier().await;
-        assert_eq!(h.loads.read().get(&key("http://w")), Some(&stat));
-        assert_eq!(h.loads.read().get(&key("http://unknown")), None);
+        assert_eq!(h.loads.get("http://w", 0), Some(stat));
+        assert_eq!(h.loads.get("http://unknown", 0), None);
         h.remove("http://w").await;
-        assert!(h.loads.read().is_empty());
+        assert!(h.loads.is_empty());
         h.cancel.cancel();
     }
 

@@ -4,14 +4,12 @@
 //!
 //! Not part of the plane's API (hidden from docs); the router goes through [`crate::KvPlane`].
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use kvroute_index::{GRAFT_SLICE_ITEMS_MAX, GraftPlan, IndexConfig, IndexReader, PrefixIndex};
 use kvroute_wire::EventBatch;
-use parking_lot::RwLock;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
@@ -105,7 +103,7 @@ impl PumpDriver {
             tx.clone(),
             metrics,
             status.clone(),
-            Arc::new(RwLock::new(HashMap::new())),
+            Arc::new(crate::engine_loads::EngineLoads::new()),
             cancel.clone(),
             PumpConfig {
                 model: Arc::from(DRIVER_MODEL),

@@ -128,8 +128,26 @@ pub fn engine_load(
     dp_rank: u32,
     now_us: u64,
 ) -> Option<crate::routing::policy::EngineLoad> {
-    if let Some(pushed) = router.kv.engine_load(&worker.url, dp_rank) {
-        return Some(pushed);
+    engine_load_given(
+        router,
+        worker,
+        dp_rank,
+        now_us,
+        router.kv.engine_load(&worker.url, dp_rank),
+    )
+}
+
+/// [`engine_load`] with the rank's load-feed report already read (`pushed`): the routing path
+/// reads a worker's whole feed under one lock and then asks this per rank.
+pub fn engine_load_given(
+    router: &Router,
+    worker: &Worker,
+    dp_rank: u32,
+    now_us: u64,
+    pushed: Option<crate::routing::policy::EngineLoad>,
+) -> Option<crate::routing::policy::EngineLoad> {
+    if pushed.is_some() {
+        return pushed;
     }
     let fresh_us = router
         .config

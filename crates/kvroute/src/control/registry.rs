@@ -12,7 +12,7 @@
 //! every transition. Passive failures (connection errors while proxying) and active checks
 //! (`GET /health`) both feed it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -219,6 +219,10 @@ pub struct ModelGroup {
     pub tokenizer: Option<Arc<ModelTokenizer>>,
     pub block_size: usize,
     pub workers: Vec<Arc<Worker>>,
+    /// Position of each worker in `workers`, by URL: the routing path hands the index's
+    /// per-rank matches to its candidates through it, in one lookup per matching rank instead
+    /// of a scan of every candidate (which cost O(matching ranks x ranks) per request).
+    pub worker_positions: HashMap<String, usize>,
     /// Longest prompt, in tokens, a request may carry: the smallest of `--max-prompt-tokens`
     /// and the context lengths the group's engines state. A longer prompt cannot be served by
     /// any of them, so it is refused before it is routed or forwarded.
@@ -256,11 +260,17 @@ impl ModelGroup {
             (Some(f), Some(e)) => Some(if f.tokens <= e.tokens { f } else { e }),
             (f, e) => f.or(e),
         };
+        let mut worker_positions = HashMap::with_capacity(workers.len());
+        for (position, w) in workers.iter().enumerate() {
+            // A URL is one worker; should it appear twice, the first keeps it, as a scan did.
+            worker_positions.entry(w.url.clone()).or_insert(position);
+        }
         ModelGroup {
             name,
             tokenizer,
             block_size,
             workers,
+            worker_positions,
             prompt_tokens_max,
         }
     }

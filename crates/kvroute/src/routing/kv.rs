@@ -294,6 +294,16 @@ impl KvBridge {
         Some(block_size)
     }
 
+    /// Every rank's engine-reported load of the worker at `url` (indexed by DP rank), read
+    /// under one lock, for the routing path.
+    pub fn with_engine_loads<R>(
+        &self,
+        url: &str,
+        read: impl FnOnce(&[Option<kvroute_wire::LoadStat>]) -> R,
+    ) -> R {
+        self.plane.with_engine_loads(url, read)
+    }
+
     pub fn engine_load(&self, url: &str, dp_rank: u32) -> Option<EngineLoad> {
         self.plane.engine_load(url, dp_rank).map(|l| EngineLoad {
             running: l.num_running_reqs,

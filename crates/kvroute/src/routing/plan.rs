@@ -16,7 +16,10 @@ use crate::control::registry::{ModelGroup, Worker};
 use crate::control::router::Router;
 use crate::error::ApiError;
 use crate::routing::pending::{RankKey, RankWalk};
-use crate::routing::policy::{Decision, RankInput};
+use crate::routing::policy::{Decision, EngineLoad, RankInput};
+
+/// `first_candidate` of a worker that is not routable now (it has no candidates).
+const NOT_ROUTABLE: usize = usize::MAX;
 
 thread_local! {
     /// Per routing thread: the request's block hashes and the pending walk's per-rank state,
@@ -116,36 +119,48 @@ impl Router {
         let now = started;
         let now_us = crate::control::registry::clock_us();
         let mut candidates = Vec::with_capacity(group.workers.len() * 2);
+        // Where each worker's ranks start among the candidates (`NOT_ROUTABLE` when it has
+        // none), so the index's per-rank matches find their candidate by position.
+        let mut first_candidate = Vec::with_capacity(group.workers.len());
         for w in &group.workers {
             if !w.routable(now) {
+                first_candidate.push(NOT_ROUTABLE);
                 continue;
             }
-            for (r, load) in w.ranks.iter().enumerate() {
-                candidates.push(RankCandidate {
-                    worker: w.clone(),
-                    dp_rank: r as u32,
-                    input: RankInput {
-                        matched_blocks: 0,
-                        device_blocks: 0,
-                        pending_blocks: 0,
-                        // Own bookings plus the siblings' (0 without load sharing): what the
-                        // engine has queued from the whole fleet of routers, as far as we know.
-                        in_flight: load.in_flight.load(Ordering::Relaxed).max(0)
-                            + load.sibling_in_flight.load(Ordering::Relaxed),
-                        queued_prefill_tokens: load
-                            .queued_prefill_tokens
-                            .load(Ordering::Relaxed)
-                            .max(0)
-                            + load.sibling_queued_prefill_tokens.load(Ordering::Relaxed),
-                        prefill_backlog_us: (load.prefill_backlog_us(now_us)
-                            + load.sibling_prefill_backlog_us(now_us))
-                            as f64,
-                        engine: crate::control::engine_metrics::engine_load(
-                            self, w, r as u32, now_us,
-                        ),
-                    },
-                });
-            }
+            first_candidate.push(candidates.len());
+            self.kv.with_engine_loads(&w.url, |pushed| {
+                for (r, load) in w.ranks.iter().enumerate() {
+                    let pushed = pushed.get(r).copied().flatten().map(|l| EngineLoad {
+                        running: l.num_running_reqs,
+                        waiting: l.num_waiting_reqs,
+                    });
+                    candidates.push(RankCandidate {
+                        worker: w.clone(),
+                        dp_rank: r as u32,
+                        input: RankInput {
+                            matched_blocks: 0,
+                            device_blocks: 0,
+                            pending_blocks: 0,
+                            // Own bookings plus the siblings' (0 without load sharing): what
+                            // the engine has queued from the whole fleet of routers, as far as
+                            // we know.
+                            in_flight: load.in_flight.load(Ordering::Relaxed).max(0)
+                                + load.sibling_in_flight.load(Ordering::Relaxed),
+                            queued_prefill_tokens: load
+                                .queued_prefill_tokens
+                                .load(Ordering::Relaxed)
+                                .max(0)
+                                + load.sibling_queued_prefill_tokens.load(Ordering::Relaxed),
+                            prefill_backlog_us: (load.prefill_backlog_us(now_us)
+                                + load.sibling_prefill_backlog_us(now_us))
+                                as f64,
+                            engine: crate::control::engine_metrics::engine_load_given(
+                                self, w, r as u32, now_us, pushed,
+                            ),
+                        },
+                    });
+                }
+            });
         }
         if candidates.is_empty() {
             return Err(ApiError::NoHealthyWorker(format!(
@@ -164,10 +179,15 @@ impl Router {
                 && let Some(bs) =
                     self.kv
                         .match_prefix(&group.name, tokens, hashes, |url, dp, hit| {
-                            if let Some(c) = candidates
-                                .iter_mut()
-                                .find(|c| c.dp_rank == dp && &*c.worker.url == url)
+                            let at = group
+                                .worker_positions
+                                .get(url)
+                                .map(|&w| (first_candidate[w], group.workers[w].ranks.len()));
+                            if let Some((first, ranks)) = at
+                                && first != NOT_ROUTABLE
+                                && (dp as usize) < ranks
                             {
+                                let c = &mut candidates[first + dp as usize];
                                 c.input.matched_blocks = hit.matched_blocks;
                                 c.input.device_blocks = hit.device_blocks;
                             }

@@ -192,6 +192,10 @@ pub struct Policy {
     rng: Mutex<StdRng>,
 }
 
+/// Milliseconds per microsecond: costs are converted by a multiplication, which the scoring loop
+/// over a thousand ranks pays for far less than a division.
+const MS_PER_US: f64 = 1e-3;
+
 pub fn score(
     input: &RankInput,
     prompt_tokens: usize,
@@ -211,7 +215,7 @@ pub fn score(
         + input.effective_in_flight() * w.decode_penalty_us_per_request;
     RankScore {
         uncached_tokens: uncached,
-        cost_ms: cost_us / 1000.0,
+        cost_ms: cost_us * MS_PER_US,
         probability: 0.0,
         within_load_bound: true,
     }
@@ -234,26 +238,33 @@ impl Policy {
     /// Orders `ranks` (all routable) for a prompt of `prompt_tokens` tokens. `ranks` must not be
     /// empty.
     pub fn decide(&self, ranks: &[RankInput], prompt_tokens: usize, block_size: usize) -> Decision {
-        let mut scores: Vec<RankScore> = ranks
-            .iter()
-            .map(|r| score(r, prompt_tokens, block_size, &self.weights))
-            .collect();
+        // Every pass over the ranks costs a few microseconds in a 1,024-rank fleet, so the
+        // cache-aware path makes as few as it can: scoring sums the load the guard needs, one
+        // pass marks the guard and gathers every figure the choice and its reason read
+        // (`CostSummary`), one draws the choice, one lists the retries.
         let n = ranks.len();
+        let mut scores: Vec<RankScore> = Vec::with_capacity(n);
+        let mut in_flight_total = 0.0;
+        for r in ranks {
+            scores.push(score(r, prompt_tokens, block_size, &self.weights));
+            in_flight_total += r.effective_in_flight();
+        }
         let mut rng = self.rng.lock();
         let (order, reason) = match self.kind {
             PolicyKind::CacheAware => {
-                for (s, w) in scores
-                    .iter_mut()
-                    .zip(within_load_bound(ranks, &self.weights))
-                {
-                    s.within_load_bound = w;
+                let bound = load_bound_given(in_flight_total, n, &self.weights);
+                let mut summary = CostSummary::new();
+                for (s, r) in scores.iter_mut().zip(ranks) {
+                    if let Some(bound) = bound {
+                        s.within_load_bound = r.effective_in_flight() + 1.0 <= bound;
+                    }
+                    summary.add(s, r.matched_blocks);
                 }
-                let first = self.pick_cache_aware(&mut scores, &mut rng);
+                let first = self.pick_cache_aware(&mut scores, &summary, &mut rng);
                 let order = order_with_first(first, n, |i| scores[i].cost_ms);
-                let best_match = ranks.iter().map(|r| r.matched_blocks).max().unwrap_or(0);
-                let cheaper_set_aside = scores
-                    .iter()
-                    .any(|s| !s.within_load_bound && s.cost_ms < scores[first].cost_ms);
+                let best_match = summary.max_matched_blocks;
+                // Some rank the guard set aside is cheaper than the choice.
+                let cheaper_set_aside = summary.min_set_aside < scores[first].cost_ms;
                 let reason = if prompt_tokens == 0 {
                     "no_tokens"
                 } else if cheaper_set_aside && scores[first].within_load_bound {
@@ -322,23 +333,42 @@ impl Policy {
 
     /// Fills in probabilities and draws the first choice among the ranks within the load bound
     /// (all of them when none is).
-    fn pick_cache_aware(&self, scores: &mut [RankScore], rng: &mut StdRng) -> usize {
-        let any_within = scores.iter().any(|s| s.within_load_bound);
+    fn pick_cache_aware(
+        &self,
+        scores: &mut [RankScore],
+        summary: &CostSummary,
+        rng: &mut StdRng,
+    ) -> usize {
+        let any_within = summary.any_within;
         let eligible = |s: &RankScore| !any_within || s.within_load_bound;
-        let min = scores
-            .iter()
-            .filter(|s| eligible(s))
-            .map(|s| s.cost_ms)
-            .fold(f64::INFINITY, f64::min);
+        let (min, ties) = if any_within {
+            (summary.min_within, summary.ties_within)
+        } else {
+            (summary.min_all, summary.ties_all)
+        };
         let t = self.weights.temperature_ms;
         if t <= 0.0 {
-            let ties: Vec<usize> = (0..scores.len())
-                .filter(|&i| eligible(&scores[i]) && scores[i].cost_ms <= min)
-                .collect();
-            for &i in &ties {
-                scores[i].probability = 1.0 / ties.len() as f64;
+            if ties == 0 {
+                // No comparable cost (every eligible one is NaN): the first eligible rank, never
+                // an empty draw.
+                return scores.iter().position(eligible).unwrap_or(0);
             }
-            return ties[rng.random_range(0..ties.len())];
+            // The drawn tie is found by its place among the ties: the same draw as indexing a
+            // list of them, without building the list per request.
+            let share = 1.0 / ties as f64;
+            let drawn = rng.random_range(0..ties);
+            let mut chosen = 0;
+            let mut seen = 0;
+            for (i, s) in scores.iter_mut().enumerate() {
+                if eligible(s) && s.cost_ms <= min {
+                    s.probability = share;
+                    if seen == drawn {
+                        chosen = i;
+                    }
+                    seen += 1;
+                }
+            }
+            return chosen;
         }
         let mut total = 0.0;
         for s in scores.iter_mut() {
@@ -378,16 +408,77 @@ impl Policy {
 /// in-flight work relative to the mean (consistent hashing with bounded loads, Mirrokni et al.)
 /// caps that failure whatever its cause, and leaves the cost model in charge everywhere else.
 pub fn within_load_bound(ranks: &[RankInput], w: &CostWeights) -> Vec<bool> {
-    if w.load_bound_factor <= 0.0 || ranks.len() < 2 {
-        return vec![true; ranks.len()];
+    match load_bound(ranks, w) {
+        None => vec![true; ranks.len()],
+        Some(bound) => ranks
+            .iter()
+            .map(|r| r.effective_in_flight() + 1.0 <= bound)
+            .collect(),
     }
+}
+
+/// The in-flight bound of [`within_load_bound`], `None` when the guard is off.
+fn load_bound(ranks: &[RankInput], w: &CostWeights) -> Option<f64> {
     let total: f64 = ranks.iter().map(RankInput::effective_in_flight).sum();
-    let mean_with_this = (total + 1.0) / ranks.len() as f64;
-    let bound = w.load_bound_factor * mean_with_this + w.load_bound_slack_requests.max(0.0);
-    ranks
-        .iter()
-        .map(|r| r.effective_in_flight() + 1.0 <= bound)
-        .collect()
+    load_bound_given(total, ranks.len(), w)
+}
+
+/// [`load_bound`] from the fleet's summed in-flight requests (`total`, over `ranks` ranks).
+fn load_bound_given(total: f64, ranks: usize, w: &CostWeights) -> Option<f64> {
+    if w.load_bound_factor <= 0.0 || ranks < 2 {
+        return None;
+    }
+    let mean_with_this = (total + 1.0) / ranks as f64;
+    Some(w.load_bound_factor * mean_with_this + w.load_bound_slack_requests.max(0.0))
+}
+
+/// What cache_aware's choice and its reason read of all the ranks' scores, gathered in one
+/// pass: the cheapest cost (and how many ranks tie at it) within the load bound and overall,
+/// the cheapest rank the guard set aside, and the deepest match.
+struct CostSummary {
+    any_within: bool,
+    min_within: f64,
+    ties_within: usize,
+    min_all: f64,
+    ties_all: usize,
+    min_set_aside: f64,
+    max_matched_blocks: u32,
+}
+
+impl CostSummary {
+    fn new() -> Self {
+        CostSummary {
+            any_within: false,
+            min_within: f64::INFINITY,
+            ties_within: 0,
+            min_all: f64::INFINITY,
+            ties_all: 0,
+            min_set_aside: f64::INFINITY,
+            max_matched_blocks: 0,
+        }
+    }
+
+    fn add(&mut self, s: &RankScore, matched_blocks: u32) {
+        // A running minimum with its count of ties: a cheaper cost restarts the count, an equal
+        // one adds to it (a cost of infinity ties with the starting minimum and is counted, as
+        // a list of the ranks at the minimum would have held it).
+        fn take(min: &mut f64, ties: &mut usize, cost: f64) {
+            if cost < *min {
+                *min = cost;
+                *ties = 1;
+            } else if cost == *min {
+                *ties += 1;
+            }
+        }
+        take(&mut self.min_all, &mut self.ties_all, s.cost_ms);
+        if s.within_load_bound {
+            self.any_within = true;
+            take(&mut self.min_within, &mut self.ties_within, s.cost_ms);
+        } else {
+            self.min_set_aside = self.min_set_aside.min(s.cost_ms);
+        }
+        self.max_matched_blocks = self.max_matched_blocks.max(matched_blocks);
+    }
 }
 
 /// `first`, then every other index by ascending `key`.
@@ -396,17 +487,31 @@ pub fn within_load_bound(ranks: &[RankInput], w: &CostWeights) -> Vec<bool> {
 /// rather than a full sort: a request never reaches further down the order than its retries,
 /// and sorting a thousand ranks would cost more than the rest of the decision.
 fn order_with_first(first: usize, n: usize, key: impl Fn(usize) -> f64) -> Vec<usize> {
-    let mut rest: Vec<(f64, usize)> = (0..n)
-        .filter(|&i| i != first)
-        .map(|i| (key(i), i))
-        .collect();
     let by_key = |a: &(f64, usize), b: &(f64, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
     let keep = RETRIES_MAX as usize;
-    if n > ORDER_FULL_RANKS_MAX && rest.len() > keep {
-        rest.select_nth_unstable_by(keep, by_key);
-        rest.truncate(keep);
-    }
-    rest.sort_unstable_by(by_key);
+    let rest: Vec<(f64, usize)> = if n > ORDER_FULL_RANKS_MAX && n - 1 > keep {
+        // The `keep` cheapest, kept sorted as they are found: most ranks lose one comparison
+        // against the current last and are never stored, where collecting all of them and
+        // selecting cost a thousand-entry list per request.
+        let mut best: Vec<(f64, usize)> = Vec::with_capacity(keep + 1);
+        for i in (0..n).filter(|&i| i != first) {
+            let item = (key(i), i);
+            if best.len() == keep && by_key(&item, &best[keep - 1]).is_ge() {
+                continue;
+            }
+            let at = best.partition_point(|b| by_key(b, &item).is_lt());
+            best.insert(at, item);
+            best.truncate(keep);
+        }
+        best
+    } else {
+        let mut all: Vec<(f64, usize)> = (0..n)
+            .filter(|&i| i != first)
+            .map(|i| (key(i), i))
+            .collect();
+        all.sort_unstable_by(by_key);
+        all
+    };
     let mut order = Vec::with_capacity(rest.len() + 1);
     order.push(first);
     order.extend(rest.into_iter().map(|(_, i)| i));
@@ -416,6 +521,61 @@ fn order_with_first(first: usize, n: usize, key: impl Fn(usize) -> f64) -> Vec<u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use rand::Rng;
+
+    /// The order as the policy defined it before it kept only the cheapest retries by
+    /// insertion: every other rank sorted by (cost, index), cut to the retries past
+    /// `ORDER_FULL_RANKS_MAX` ranks.
+    fn reference_order(first: usize, costs: &[f64]) -> Vec<usize> {
+        let mut rest: Vec<(f64, usize)> = (0..costs.len())
+            .filter(|&i| i != first)
+            .map(|i| (costs[i], i))
+            .collect();
+        rest.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        if costs.len() > ORDER_FULL_RANKS_MAX {
+            rest.truncate(RETRIES_MAX as usize);
+        }
+        std::iter::once(first)
+            .chain(rest.into_iter().map(|(_, i)| i))
+            .collect()
+    }
+
+    proptest! {
+        // Costs drawn from a few values so ties (broken by index) are common.
+        #[test]
+        fn the_order_lists_the_same_ranks_as_a_full_sort_at_every_fleet_size(
+            costs in prop::collection::vec(prop::sample::select(vec![0.5, 1.0, 1.0, 2.0, 7.25, 30.0]), 1..300),
+            first_pick in any::<prop::sample::Index>(),
+        ) {
+            let first = first_pick.index(costs.len());
+            prop_assert_eq!(
+                order_with_first(first, costs.len(), |i| costs[i]),
+                reference_order(first, &costs)
+            );
+        }
+
+        // The tie draw counts ties instead of listing them; with the same seed it must pick the
+        // rank a list would have, and give every tie the same probability.
+        #[test]
+        fn a_cold_fleet_draws_among_its_cheapest_ranks_like_a_list_of_them(
+            loads in prop::collection::vec(0i64..3, 2..200),
+            seed in any::<u64>(),
+        ) {
+            let ranks: Vec<RankInput> = loads.iter().map(|&l| loaded(0, l)).collect();
+            let p = Policy::new(PolicyKind::CacheAware, CostWeights::default(), Some(seed));
+            let d = p.decide(&ranks, 1024, 16);
+            let min = d.scores.iter().filter(|s| s.within_load_bound).map(|s| s.cost_ms).fold(f64::INFINITY, f64::min);
+            let ties: Vec<usize> = (0..ranks.len())
+                .filter(|&i| d.scores[i].within_load_bound && d.scores[i].cost_ms <= min)
+                .collect();
+            let mut rng = StdRng::seed_from_u64(seed);
+            prop_assert_eq!(d.order[0], ties[rng.random_range(0..ties.len())]);
+            for &i in &ties {
+                prop_assert!((d.scores[i].probability - 1.0 / ties.len() as f64).abs() < 1e-12);
+            }
+        }
+    }
 
     fn idle(matched: u32) -> RankInput {
         RankInput {
