@@ -31,8 +31,9 @@ fn plan_json(router: &Router, plan: &RoutePlan) -> Value {
         .enumerate()
         .map(|(i, c)| {
             let s = plan.decision.scores[i];
+            let worker = plan.worker(c);
             json!({
-                "worker_id": c.worker.id, "url": c.worker.url, "dp_rank": c.dp_rank,
+                "worker_id": worker.id, "url": worker.url, "dp_rank": c.dp_rank,
                 "matched_blocks": c.input.matched_blocks, "device_blocks": c.input.device_blocks,
                 "pending_blocks": c.input.pending_blocks,
                 "index_matched_blocks": c.input.matched_blocks - c.input.pending_blocks,
@@ -45,11 +46,12 @@ fn plan_json(router: &Router, plan: &RoutePlan) -> Value {
         })
         .collect();
     let chosen = plan.chosen();
+    let chosen_worker = plan.worker(chosen);
     json!({
         "model": plan.model.name, "policy": router.policy.kind.as_str(), "reason": plan.decision.reason,
         "prompt_tokens": plan.prompt_tokens, "block_size": plan.model.block_size, "indexed": plan.indexed,
         "pending_prefix_ttl_ms": router.pending.ttl_ms(),
-        "chosen": {"worker_id": chosen.worker.id, "url": chosen.worker.url, "dp_rank": chosen.dp_rank},
+        "chosen": {"worker_id": chosen_worker.id, "url": chosen_worker.url, "dp_rank": chosen.dp_rank},
         "ranks": ranks,
     })
 }

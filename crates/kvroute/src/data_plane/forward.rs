@@ -418,7 +418,7 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Routed, A
     let request_id_header = kvroute_http1::framing::usable_request_id(fwd.request_id.as_bytes());
     for (attempt, &idx) in plan.decision.order.iter().take(attempts).enumerate() {
         let cand = &plan.candidates[idx];
-        let worker = &cand.worker;
+        let worker = plan.worker(cand);
         if attempt > 0 {
             router
                 .metrics

@@ -28,9 +28,14 @@ thread_local! {
 }
 
 /// One routable rank of the request's model.
+///
+/// The worker is named by its position in the plan's model group, not by a clone of its `Arc`:
+/// a plan makes one candidate per rank, and cloning (then dropping) the worker's `Arc` for each
+/// was two atomic writes per rank per request on counters every routing thread shares.
 #[derive(Clone)]
 pub struct RankCandidate {
-    pub worker: Arc<Worker>,
+    /// Position of the rank's worker in the plan's `model.workers`.
+    pub worker_position: usize,
     pub dp_rank: u32,
     pub input: RankInput,
 }
@@ -48,15 +53,21 @@ impl RoutePlan {
         &self.candidates[self.decision.order[0]]
     }
 
+    /// The worker serving candidate `c` of this plan.
+    pub fn worker(&self, c: &RankCandidate) -> &Arc<Worker> {
+        &self.model.workers[c.worker_position]
+    }
+
     /// Compact one-line explanation for the `x-kvroute-decision` header.
     pub fn header_value(&self, policy: &str, idx: usize) -> String {
         let c = &self.candidates[idx];
         let s = &self.decision.scores[idx];
+        let worker = self.worker(c);
         format!(
             "policy={policy};reason={};worker={};url={};dp_rank={};matched_blocks={};prompt_tokens={};cost_ms={:.3};candidates={};pending_blocks={}",
             self.decision.reason,
-            c.worker.id,
-            c.worker.url,
+            worker.id,
+            worker.url,
             c.dp_rank,
             c.input.matched_blocks,
             self.prompt_tokens,
@@ -67,9 +78,9 @@ impl RoutePlan {
     }
 }
 
-fn rank_key(c: &RankCandidate) -> RankKey {
+fn rank_key(group: &ModelGroup, c: &RankCandidate) -> RankKey {
     RankKey {
-        worker: c.worker.id,
+        worker: group.workers[c.worker_position].id,
         dp_rank: c.dp_rank,
     }
 }
@@ -122,7 +133,7 @@ impl Router {
         // Where each worker's ranks start among the candidates (`NOT_ROUTABLE` when it has
         // none), so the index's per-rank matches find their candidate by position.
         let mut first_candidate = Vec::with_capacity(group.workers.len());
-        for w in &group.workers {
+        for (position, w) in group.workers.iter().enumerate() {
             if !w.routable(now) {
                 first_candidate.push(NOT_ROUTABLE);
                 continue;
@@ -135,7 +146,7 @@ impl Router {
                         waiting: l.num_waiting_reqs,
                     });
                     candidates.push(RankCandidate {
-                        worker: w.clone(),
+                        worker_position: position,
                         dp_rank: r as u32,
                         input: RankInput {
                             matched_blocks: 0,
@@ -205,7 +216,11 @@ impl Router {
             if use_pending && let Some(table) = self.pending.model(&group.name) {
                 walks.clear();
                 walks.extend(candidates.iter().map(|c| {
-                    RankWalk::new(rank_key(c), c.input.matched_blocks, c.input.device_blocks)
+                    RankWalk::new(
+                        rank_key(&group, c),
+                        c.input.matched_blocks,
+                        c.input.device_blocks,
+                    )
                 }));
                 table.extend(hashes, self.pending.now_ms(now), walks);
                 for (c, w) in candidates.iter_mut().zip(walks.iter()) {
@@ -226,7 +241,7 @@ impl Router {
                     &group.name,
                     hashes,
                     chosen.input.matched_blocks as usize,
-                    rank_key(chosen),
+                    rank_key(&group, chosen),
                     now,
                     chosen.input.pending_blocks > 0,
                 );
@@ -234,7 +249,7 @@ impl Router {
                 // request follows this one whichever replica it reaches.
                 self.load_share.publish_pending(
                     &group.name,
-                    &chosen.worker.url,
+                    &group.workers[chosen.worker_position].url,
                     chosen.dp_rank,
                     hashes
                         .get(chosen.input.matched_blocks as usize..)
