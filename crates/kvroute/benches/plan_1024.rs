@@ -23,37 +23,16 @@ const ENGINES: usize = 16;
 const DP: usize = 64;
 const PROMPT_TOKENS: usize = 8_192;
 
+#[path = "support/sim_router.rs"]
+mod support;
+
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let (fleet, router) = rt.block_on(async {
-        let fleet = kvroute_sim::start_fleet(kvroute_sim::SimConfig {
-            engines: ENGINES,
-            dp_size: DP,
-            served_model_name: "bench".into(),
-            ..kvroute_sim::SimConfig::for_tests()
-        })
-        .await
-        .unwrap();
-        let router = kvroute::serve(kvroute::RouterConfig {
-            workers: fleet
-                .engines
-                .iter()
-                .map(|e| kvroute::WorkerSpec {
-                    url: e.http_url(),
-                    model: None,
-                })
-                .collect(),
-            health_interval_ms: 600_000,
-            ..kvroute::RouterConfig::default()
-        })
-        .await
-        .unwrap();
-        (fleet, router)
-    });
+    let (fleet, router) = support::fleet_and_router(&rt, ENGINES, DP, None);
     let r = router.router.clone();
     // A batch published before a subscriber has joined is lost to it (ZMQ drops it), so the
     // prefixes are stored only once every rank's subscriber is connected.

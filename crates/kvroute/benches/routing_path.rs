@@ -12,38 +12,21 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, criterion_group, criterion_main};
 use serde_json::json;
 
+#[path = "support/sim_router.rs"]
+mod support;
+
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let (fleet, router) = rt.block_on(async {
-        let fleet = kvroute_sim::start_fleet(kvroute_sim::SimConfig {
-            engines: 4,
-            dp_size: 2,
-            served_model_name: "bench".into(),
-            ..kvroute_sim::SimConfig::for_tests()
-        })
-        .await
-        .unwrap();
-        let router = kvroute::serve(kvroute::RouterConfig {
-            workers: fleet
-                .engines
-                .iter()
-                .map(|e| kvroute::WorkerSpec {
-                    url: e.http_url(),
-                    model: None,
-                })
-                .collect(),
-            tokenizer_path: Some(kvroute_sim::config::default_tokenizer_path()),
-            health_interval_ms: 60_000,
-            ..kvroute::RouterConfig::default()
-        })
-        .await
-        .unwrap();
-        (fleet, router)
-    });
+    let (fleet, router) = support::fleet_and_router(
+        &rt,
+        4,
+        2,
+        Some(kvroute_sim::config::default_tokenizer_path()),
+    );
     let r = router.router.clone();
     let group = r.registry.model("bench").unwrap();
     let tok = group.tokenizer.clone().unwrap();

@@ -305,10 +305,7 @@ impl KvBridge {
     }
 
     pub fn engine_load(&self, url: &str, dp_rank: u32) -> Option<EngineLoad> {
-        self.plane.engine_load(url, dp_rank).map(|l| EngineLoad {
-            running: l.num_running_reqs,
-            waiting: l.num_waiting_reqs,
-        })
+        self.plane.engine_load(url, dp_rank).map(EngineLoad::from)
     }
 
     /// The ranks of `model` that this replica may name empty to a sibling: the index holds their

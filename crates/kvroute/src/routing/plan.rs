@@ -141,10 +141,7 @@ impl Router {
             first_candidate.push(candidates.len());
             self.kv.with_engine_loads(&w.url, |pushed| {
                 for (r, load) in w.ranks.iter().enumerate() {
-                    let pushed = pushed.get(r).copied().flatten().map(|l| EngineLoad {
-                        running: l.num_running_reqs,
-                        waiting: l.num_waiting_reqs,
-                    });
+                    let pushed = pushed.get(r).copied().flatten().map(EngineLoad::from);
                     candidates.push(RankCandidate {
                         worker_position: position,
                         dp_rank: r as u32,

@@ -138,6 +138,15 @@ pub struct EngineLoad {
     pub waiting: u64,
 }
 
+impl From<kvroute_wire::LoadStat> for EngineLoad {
+    fn from(stat: kvroute_wire::LoadStat) -> Self {
+        EngineLoad {
+            running: stat.num_running_reqs,
+            waiting: stat.num_waiting_reqs,
+        }
+    }
+}
+
 /// What a policy knows about one routable rank.
 #[derive(Debug, Clone, Copy)]
 pub struct RankInput {
@@ -256,7 +265,7 @@ impl Policy {
                 let mut summary = CostSummary::new();
                 for (s, r) in scores.iter_mut().zip(ranks) {
                     if let Some(bound) = bound {
-                        s.within_load_bound = r.effective_in_flight() + 1.0 <= bound;
+                        s.within_load_bound = within_bound(r, bound);
                     }
                     summary.add(s, r.matched_blocks);
                 }
@@ -410,11 +419,14 @@ impl Policy {
 pub fn within_load_bound(ranks: &[RankInput], w: &CostWeights) -> Vec<bool> {
     match load_bound(ranks, w) {
         None => vec![true; ranks.len()],
-        Some(bound) => ranks
-            .iter()
-            .map(|r| r.effective_in_flight() + 1.0 <= bound)
-            .collect(),
+        Some(bound) => ranks.iter().map(|r| within_bound(r, bound)).collect(),
     }
+}
+
+/// The guard's rule for one rank: its in-flight requests, this one included, stay at or below
+/// `bound`.
+fn within_bound(r: &RankInput, bound: f64) -> bool {
+    r.effective_in_flight() + 1.0 <= bound
 }
 
 /// The in-flight bound of [`within_load_bound`], `None` when the guard is off.
