@@ -376,6 +376,19 @@ struct Pass<P> {
     expires_ms: u64,
     /// The earliest start of the pass after this one.
     next_pass_ms: u64,
+    /// The best body of this pass that covers some pending rank only partially (its producer
+    /// joined that rank's stream mid-way), kept while other siblings may still answer with
+    /// the whole history; delivered when the pass ends without one.
+    partial_offer: Option<PartialOffer<P>>,
+}
+
+/// A body that would do, but that a sibling with the whole history could beat.
+#[derive(Debug, Clone)]
+struct PartialOffer<P> {
+    peer: P,
+    snapshot: VettedSnapshot,
+    /// (pending ranks covered with their whole history, pending ranks covered at all).
+    score: (usize, usize),
 }
 
 /// Where a sweep is in its life:
@@ -593,6 +606,7 @@ impl<P: Ord + Clone> Sweep<P> {
             outstanding: orders.iter().map(|o| o.peer.clone()).collect(),
             expires_ms: now_ms.saturating_add(timeout_ms),
             next_pass_ms,
+            partial_offer: None,
         });
         if orders.is_empty() {
             self.end_pass(view, book, &mut out);
@@ -635,10 +649,30 @@ impl<P: Ord + Clone> Sweep<P> {
                 stamp,
             } => {
                 book.record_export(peer, stamp);
-                if snapshot.covers_any(self.obligations.keys().map(|(r, _)| *r)) {
+                let (complete, covered) = self.obligations.keys().fold((0, 0), |(c, a), (r, _)| {
+                    let coverage = snapshot.coverage(*r);
+                    (
+                        c + usize::from(coverage.is_complete_cover()),
+                        a + usize::from(coverage.is_covered()),
+                    )
+                });
+                if covered > 0 {
                     book.record_useful(peer);
                     let t = Testimony::vetted(Standing::Useful, &snapshot);
-                    found = Some(snapshot);
+                    if complete == covered {
+                        found = Some(snapshot);
+                    } else {
+                        // Some rank would be inherited partial: let the rest of the pass
+                        // answer first, in case a sibling holds its whole history.
+                        let score = (complete, covered);
+                        if pass.partial_offer.as_ref().is_none_or(|o| score > o.score) {
+                            pass.partial_offer = Some(PartialOffer {
+                                peer: peer.clone(),
+                                snapshot,
+                                score,
+                            });
+                        }
+                    }
                     t
                 } else {
                     book.record_miss(peer, now_ms);
@@ -776,6 +810,19 @@ impl<P: Ord + Clone> Sweep<P> {
         };
         let now_candidates = self.candidates(view, book);
         self.settle_by_witnesses(&now_candidates, book, out);
+        if let Some(offer) = pass.partial_offer {
+            // No sibling of this pass had the whole history of every rank the offer covers:
+            // inheriting a sibling's partial view still beats starting blind (its ranks settle
+            // `warm_partial`, not `warm`).
+            self.finish(
+                out,
+                Verdict::Found {
+                    peer: offer.peer,
+                    snapshot: offer.snapshot,
+                },
+            );
+            return;
+        }
         if self.obligations.is_empty() {
             self.finish(out, Verdict::RanksResolved);
             return;

@@ -72,6 +72,12 @@ pub enum Outcome {
     /// Recovered: grafted, but no batch, replay or sibling could witness the splice within the
     /// bounded number of probes; the graft is kept.
     WarmUnwitnessed,
+    /// Recovered, as far as the fleet can: grafted and the splice proven like `warm`, but the
+    /// sibling's own view of the rank did not reach back to the publisher's origin (it joined the
+    /// stream mid-way or lost batches; its snapshot lists the rank in `partial_ranks`). This
+    /// replica now sees what its sibling sees, not everything the engine holds, and will not
+    /// name the rank complete to others either.
+    WarmPartial,
     /// Failed: the live stream did not join the snapshot's cursor and neither the engine's replay
     /// nor the one fresher snapshot healed it; the graft was discarded.
     Gap,
@@ -96,9 +102,10 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 12] = [
         Outcome::Warm,
         Outcome::WarmUnwitnessed,
+        Outcome::WarmPartial,
         Outcome::Gap,
         Outcome::Uncovered,
         Outcome::Abandoned,
@@ -114,6 +121,7 @@ impl Outcome {
         match self {
             Outcome::Warm => "warm",
             Outcome::WarmUnwitnessed => "warm_unwitnessed",
+            Outcome::WarmPartial => "warm_partial",
             Outcome::Gap => "gap",
             Outcome::Uncovered => "uncovered",
             Outcome::Abandoned => "abandoned",
@@ -131,6 +139,7 @@ impl Outcome {
         match self {
             Outcome::Warm
             | Outcome::WarmUnwitnessed
+            | Outcome::WarmPartial
             | Outcome::FromOrigin
             | Outcome::Empty
             | Outcome::FromEngineReplay => RankState::Recovered,
@@ -304,7 +313,7 @@ impl<K: Eq + Hash + Clone> BootstrapTracker<K> {
 
     /// Settles a rank with `outcome`. From `Pending` every outcome but `gap` is allowed (a gap
     /// goes through [`BootstrapTracker::on_gap`], which owns the retry budget). From `Grafted`
-    /// only what can follow a graft: the proof's `warm` / `warm_unwitnessed`, a restarted
+    /// only what can follow a graft: the proof's `warm` / `warm_unwitnessed` / `warm_partial`, a restarted
     /// engine's `from_origin`, or `publisher_reset`.
     pub fn settle(
         &mut self,
@@ -319,6 +328,7 @@ impl<K: Eq + Hash + Clone> BootstrapTracker<K> {
                 outcome,
                 Outcome::Warm
                     | Outcome::WarmUnwitnessed
+                    | Outcome::WarmPartial
                     | Outcome::FromOrigin
                     | Outcome::PublisherReset
             ),
@@ -506,6 +516,7 @@ mod tests {
             [
                 "warm",
                 "warm_unwitnessed",
+                "warm_partial",
                 "from_origin",
                 "empty",
                 "from_engine_replay"
@@ -539,7 +550,11 @@ mod tests {
 
     #[test]
     fn a_graft_with_nothing_held_is_recovered_and_settles_on_its_proof() {
-        for proof in [Outcome::Warm, Outcome::WarmUnwitnessed] {
+        for proof in [
+            Outcome::Warm,
+            Outcome::WarmUnwitnessed,
+            Outcome::WarmPartial,
+        ] {
             let mut t = Tracker::new();
             let inc = t.register(key(0));
             t.grafted(&key(0), inc).unwrap();

@@ -21,7 +21,9 @@
 //! and [`Coverage::Unknown`] otherwise. A rank that carries nothing while the producer does not
 //! say it is empty is never taken as covered: the worst failure of the anchor design is a new
 //! replica inheriting an empty index from another new replica during a rolling update and
-//! reporting success.
+//! reporting success. A covered rank the producer lists in `partial_ranks` is covered with
+//! `partial: true`: the producer's view of it does not reach back to the publisher's origin, and
+//! whoever grafts it must say so (outcome `warm_partial`) instead of `warm`.
 
 use std::collections::{HashMap, HashSet};
 
@@ -262,9 +264,12 @@ fn restore_rejection(e: RestoreError) -> Rejection {
 /// What a vetted snapshot says about one local rank.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Coverage {
-    /// The rank carries nodes and has a cursor `(seq, ts)`: the graft's watermark.
-    Covered { cursor: (i64, f64) },
-    /// A ready producer lists the rank in `empty_ranks`: it holds nothing for it.
+    /// The rank carries nodes and has a cursor `(seq, ts)`: the graft's watermark. `partial`:
+    /// the producer lists it in `partial_ranks`, so its history there does not reach back to the
+    /// publisher's seq 0 and a graft of it is only as complete as the producer's view.
+    Covered { cursor: (i64, f64), partial: bool },
+    /// A ready producer lists the rank in `empty_ranks` (and not in `partial_ranks`, which would
+    /// contradict it): it holds nothing for it.
     Empty,
     /// Anything else: not in the snapshot, carries nothing without being listed empty, or
     /// carries nodes but has no cursor (its stream restarted during the producer's walk).
@@ -274,6 +279,11 @@ pub enum Coverage {
 impl Coverage {
     pub fn is_covered(&self) -> bool {
         matches!(self, Coverage::Covered { .. })
+    }
+
+    /// Covered, with the producer's whole history of the rank.
+    pub fn is_complete_cover(&self) -> bool {
+        matches!(self, Coverage::Covered { partial: false, .. })
     }
 }
 
@@ -397,12 +407,23 @@ impl VettedSnapshot {
                 *slot = true;
             }
         }
+        let mut listed_partial = vec![false; ranks];
+        for &r in &snapshot.partial_ranks {
+            if let Some(slot) = listed_partial.get_mut(r as usize) {
+                *slot = true;
+            }
+        }
         let coverage: Vec<Coverage> = (0..ranks)
             .map(|i| match (carries[i], cursor[i], listed_empty[i]) {
-                (true, Some(cursor), _) => Coverage::Covered { cursor },
+                (true, Some(cursor), _) => Coverage::Covered {
+                    cursor,
+                    partial: listed_partial[i],
+                },
                 (true, None, _) => Coverage::Unknown,
-                (false, _, true) => Coverage::Empty,
-                (false, _, false) => Coverage::Unknown,
+                // "Empty" is a claim about the whole history; a producer that also calls that
+                // history partial contradicts itself and is believed in neither.
+                (false, _, true) if !listed_partial[i] => Coverage::Empty,
+                (false, _, _) => Coverage::Unknown,
             })
             .collect();
         let mut by_local: Vec<(RankId, u32)> = local
@@ -564,6 +585,7 @@ mod tests {
                 },
             ],
             empty_ranks: vec![],
+            partial_ranks: vec![],
             nodes,
         }
     }
@@ -602,15 +624,49 @@ mod tests {
         assert_eq!(v.local_ids(), &[RankId(10), RankId(11), RankId(12)]);
         assert_eq!(
             v.coverage(RankId(10)),
-            Coverage::Covered { cursor: (5, 1.5) }
+            Coverage::Covered {
+                cursor: (5, 1.5),
+                partial: false
+            }
         );
         assert_eq!(
             v.coverage(RankId(12)),
-            Coverage::Covered { cursor: (9, 2.5) }
+            Coverage::Covered {
+                cursor: (9, 2.5),
+                partial: false
+            }
         );
         assert_eq!(v.snapshot().nodes.len(), 4);
         assert_eq!(v.dropped_ranks(), 0);
         assert_eq!(v.pruned_nodes(), 0);
+    }
+
+    #[test]
+    fn a_rank_the_producer_lists_partial_is_covered_partially_and_never_empty() {
+        let mut s = snapshot();
+        // Rank 0 carries and has a cursor; rank 1 is made to carry nothing (its one carrier
+        // goes to rank 2) and is listed empty as well as partial.
+        s.nodes.carrier_rank[1] = 2;
+        s.empty_ranks = vec![1];
+        s.partial_ranks = vec![0, 1];
+        let v = vet_binary(&s, &live_all()).unwrap();
+        assert_eq!(
+            v.coverage(RankId(10)),
+            Coverage::Covered {
+                cursor: (5, 1.5),
+                partial: true
+            }
+        );
+        assert!(!v.coverage(RankId(10)).is_complete_cover());
+        assert!(v.coverage(RankId(12)).is_complete_cover());
+        assert_eq!(
+            v.coverage(RankId(11)),
+            Coverage::Unknown,
+            "empty and partial contradict each other"
+        );
+        // Remapping to local ids keeps the partial mark on the rank it names.
+        let kept = vet_binary(&s, &live_all()[..1]).unwrap();
+        assert_eq!(kept.snapshot().partial_ranks, vec![0]);
     }
 
     #[test]
@@ -845,6 +901,7 @@ mod tests {
             nodes: SnapshotNodes::default(),
             cursors: vec![],
             empty_ranks: vec![0],
+            partial_ranks: vec![],
             ranks: vec![rank(0)],
             ..snapshot()
         };
@@ -980,7 +1037,10 @@ mod tests {
         assert_eq!(n.carrier_rank, vec![0, 0]);
         assert_eq!(
             g.coverage(RankId(10)),
-            Coverage::Covered { cursor: (5, 1.5) }
+            Coverage::Covered {
+                cursor: (5, 1.5),
+                partial: false
+            }
         );
         assert_eq!(g.coverage(RankId(12)), Coverage::Unknown);
         let all = v.into_graft(&[RankId(10), RankId(12)]).unwrap();

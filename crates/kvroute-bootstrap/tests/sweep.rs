@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{body, body_listing, ob, order_for, rejected, view};
+use common::{body, body_listing, body_partial, ob, order_for, rejected, view};
 use kvroute_bootstrap::sweep::{PASS_INTERVAL_MS, PEER_SIT_OUT_MAX_MS};
 use kvroute_bootstrap::{
     ExportStamp, FetchResult, PeerBook, PeerView, Rejection, Sweep, Verdict, VerdictKind,
@@ -93,6 +93,103 @@ fn a_covering_answer_ends_the_sweep_found() {
     );
     assert!(later.verdict.is_none(), "one verdict per sweep");
     assert!(s.poll(&view(&peers), &book, 2_000).verdict.is_none());
+}
+
+#[test]
+fn a_partial_cover_waits_for_the_pass_and_loses_to_a_sibling_with_the_whole_history() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[0, 1], 0, 10_000);
+    let peers = ["a", "b"];
+    s.poll(&view(&peers), &book, 1_000);
+    let p = s.on_answer(
+        &order_for(Some(&s), "a"),
+        body_partial(&[0, 1], &[1], 1_050),
+        &view(&peers),
+        &mut book,
+        1_050,
+    );
+    assert!(
+        p.verdict.is_none(),
+        "a body that would graft rank 1 partially must not end the pass while b may answer: {:?}",
+        p.verdict.map(|v| v.kind())
+    );
+    let p = s.on_answer(
+        &order_for(Some(&s), "b"),
+        body(&[0, 1], &[], 1_060),
+        &view(&peers),
+        &mut book,
+        1_060,
+    );
+    let Some(Verdict::Found { peer, snapshot }) = p.verdict else {
+        panic!("expected found, got {:?}", p.verdict.map(|v| v.kind()));
+    };
+    assert_eq!(peer, "b", "the whole history wins");
+    assert!(snapshot.coverage(RankId(1)).is_complete_cover());
+}
+
+#[test]
+fn the_best_partial_cover_is_delivered_when_the_pass_ends_without_a_whole_history() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[0, 1], 0, 10_000);
+    let peers = ["a", "b", "c"];
+    s.poll(&view(&peers), &book, 1_000);
+    let answers = [
+        ("a", body_partial(&[0, 1], &[0, 1], 1_050)),
+        ("b", body_partial(&[0, 1], &[1], 1_055)),
+        ("c", unreachable()),
+    ];
+    let mut verdict = None;
+    for (i, (peer, answer)) in answers.into_iter().enumerate() {
+        let p = s.on_answer(
+            &order_for(Some(&s), peer),
+            answer,
+            &view(&peers),
+            &mut book,
+            1_050 + i as u64,
+        );
+        if i < 2 {
+            assert!(p.verdict.is_none(), "answer {i} ended the pass early");
+        }
+        verdict = p.verdict;
+    }
+    let Some(Verdict::Found { peer, snapshot }) = verdict else {
+        panic!(
+            "expected found at the pass's end, got {:?}",
+            verdict.map(|v| v.kind())
+        );
+    };
+    assert_eq!(
+        peer, "b",
+        "b covers rank 0 with its whole history, a covers none so"
+    );
+    assert!(snapshot.coverage(RankId(0)).is_complete_cover());
+    assert!(snapshot.coverage(RankId(1)).is_covered());
+    assert!(!snapshot.coverage(RankId(1)).is_complete_cover());
+}
+
+#[test]
+fn a_partial_cover_is_delivered_when_its_pass_times_out_on_a_silent_sibling() {
+    let mut book = PeerBook::new(None);
+    let mut s = sweep(&[0], 0, 10_000);
+    let peers = ["a", "b"];
+    s.poll(&view(&peers), &book, 1_000);
+    let p = s.on_answer(
+        &order_for(Some(&s), "a"),
+        body_partial(&[0], &[0], 1_050),
+        &view(&peers),
+        &mut book,
+        1_050,
+    );
+    assert!(p.verdict.is_none());
+    // b never answers; the pass closes at its fetch timeout (2 s after it opened).
+    let p = s.poll(&view(&peers), &book, 2_999);
+    assert!(p.verdict.is_none(), "the pass is still open");
+    let p = s.poll(&view(&peers), &book, 3_000);
+    assert!(
+        matches!(p.verdict, Some(Verdict::Found { peer: "a", .. })),
+        "got {:?}",
+        p.verdict.map(|v| v.kind())
+    );
 }
 
 #[test]

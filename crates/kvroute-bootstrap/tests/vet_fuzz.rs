@@ -121,6 +121,7 @@ fn random_snapshot(seed: u64) -> IndexSnapshot {
         producer_ready: rng.chance(85),
         cursors,
         empty_ranks: (0..rank_count).filter(|_| rng.chance(20)).collect(),
+        partial_ranks: vec![],
         ranks: ranks_dedup,
         nodes,
     }
@@ -217,7 +218,7 @@ fn vet_with(body: &[u8], encoding: BodyEncoding, keyed: bool) -> Result<(), Reje
         start = end;
     }
     for (pos, (id, c)) in v.ranks().enumerate() {
-        if let Coverage::Covered { cursor } = c {
+        if let Coverage::Covered { cursor, .. } = c {
             assert!(s.nodes.carrier_rank.contains(&(pos as u32)), "{id:?}");
             assert!(
                 s.cursors

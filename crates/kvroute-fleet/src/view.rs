@@ -172,6 +172,7 @@ mod tests {
             }],
             cursors: vec![],
             empty_ranks: vec![],
+            partial_ranks: vec![],
             nodes: SnapshotNodes {
                 parent: vec![NO_PARENT, 0],
                 content_hash: vec![0xa, 0xb],

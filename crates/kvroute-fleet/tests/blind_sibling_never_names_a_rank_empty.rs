@@ -6,6 +6,12 @@
 //! a booting sibling settle `empty` on its word). The booting sibling must instead find that no
 //! sibling knows the rank, hand it to the engine at once (not at the deadline), and, since the
 //! engine's small replay buffer no longer reaches seq 0, run it cold as `uncovered`.
+//!
+//! The rank that keeps publishing is covered by the blind replica's live view, but only from the
+//! point it joined: its snapshot lists that rank in `partial_ranks`, so the booting sibling
+//! settles it `warm_partial`, never `warm`, and lists it partial in turn (blindness is not
+//! laundered into a whole history by one graft). A replica that saw both streams from seq 0
+//! outranks the blind one: a sibling given both settles both ranks `warm` from it.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -37,11 +43,16 @@ async fn a_replica_that_joined_mid_stream_never_names_a_quiet_rank_empty() {
         .await,
     );
     fleet.sims.push(sim.clone());
+    let workers = fleet.worker_specs();
+    // Started before the engine's first batch: it holds both ranks' whole histories.
+    let whole =
+        RouterProcess::start(RouterOptions::new("whole", &workers, BOOTSTRAP_TIMEOUT_MS)).await;
+    whole.wait_ready(READY_LIMIT_MS).await;
+    whole.wait_subscribed(2, READY_LIMIT_MS).await;
     for i in 0..EARLY_BATCHES {
         sim.store(0, 0, &[chain(i as u64, 2, 16)]).await;
         sim.store(0, 1, &[chain(100 + i as u64, 2, 16)]).await;
     }
-    let workers = fleet.worker_specs();
     // No peers: no bootstrap, so this replica is blind to the 24 batches of each rank.
     let blind =
         RouterProcess::start(RouterOptions::new("blind", &workers, BOOTSTRAP_TIMEOUT_MS)).await;
@@ -54,17 +65,19 @@ async fn a_replica_that_joined_mid_stream_never_names_a_quiet_rank_empty() {
     for i in 0..4u64 {
         last_seq = sim.store(0, 0, &[chain(200 + i, 9, 16)]).await;
     }
-    let mut probe = || async {
-        let cursors = blind.cursors().await?;
-        if cursors.values().any(|&c| c == last_seq) {
-            Ok(())
-        } else {
-            Err(format!("cursors {cursors:?}, want rank 0 at {last_seq}"))
-        }
-    };
-    kvroute_fleet::wait::try_wait_until(READY_LIMIT_MS, &mut probe)
-        .await
-        .unwrap_or_else(|seen| panic!("the blind replica never applied rank 0's batches: {seen}"));
+    for (name, router) in [("blind", &blind), ("whole", &whole)] {
+        let mut probe = || async {
+            let cursors = router.cursors().await?;
+            if cursors.values().any(|&c| c == last_seq) {
+                Ok(())
+            } else {
+                Err(format!("cursors {cursors:?}, want rank 0 at {last_seq}"))
+            }
+        };
+        kvroute_fleet::wait::try_wait_until(READY_LIMIT_MS, &mut probe)
+            .await
+            .unwrap_or_else(|seen| panic!("{name} never applied rank 0's batches: {seen}"));
+    }
 
     let snapshot = blind
         .snapshot()
@@ -85,6 +98,17 @@ async fn a_replica_that_joined_mid_stream_never_names_a_quiet_rank_empty() {
         statuses.iter().all(|s| !s.history_complete),
         "joined mid-stream, yet claims a whole history: {statuses:?}"
     );
+    let partial = |s: &kvroute_wire::snapshot::IndexSnapshot| -> Vec<String> {
+        s.partial_ranks
+            .iter()
+            .map(|&r| format!("dp{}", s.ranks[r as usize].dp_rank))
+            .collect()
+    };
+    assert_eq!(
+        partial(&snapshot),
+        ["dp0"],
+        "the blind replica's cursor on rank 0 covers only what it saw"
+    );
 
     let started = Instant::now();
     let booting = RouterProcess::start(
@@ -96,8 +120,8 @@ async fn a_replica_that_joined_mid_stream_never_names_a_quiet_rank_empty() {
     eprintln!("booting settled in {:?}: {ranks:?}", started.elapsed());
     assert_eq!(
         ranks[0].outcome.as_deref(),
-        Some("warm"),
-        "rank 0 is covered by the blind replica's live view\n{}",
+        Some("warm_partial"),
+        "rank 0 is covered by the blind replica's live view, and only since it joined\n{}",
         booting.log_tail()
     );
     assert_eq!(
@@ -106,6 +130,33 @@ async fn a_replica_that_joined_mid_stream_never_names_a_quiet_rank_empty() {
         "rank 1: no sibling knows it and the engine's buffer cannot rebuild it\n{}",
         booting.log_tail()
     );
+    let handed_on = booting
+        .snapshot()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("the booting replica has a cursor on rank 0");
+    assert_eq!(
+        partial(&handed_on),
+        ["dp0", "dp1"],
+        "a partial graft is handed on as partial, and so is the rank it runs cold"
+    );
+
+    // Given the blind replica and one with both whole histories, the whole one wins.
+    let choosing = RouterProcess::start(
+        RouterOptions::new("choosing", &workers, BOOTSTRAP_TIMEOUT_MS)
+            .with_peers(vec![blind.internal.clone(), whole.internal.clone()]),
+    )
+    .await;
+    let ranks = choosing.wait_settled(2, SETTLE_MAX_MS).await;
+    let outcomes: Vec<_> = ranks.iter().map(|r| r.outcome.as_deref()).collect();
+    assert_eq!(
+        outcomes,
+        [Some("warm"), Some("warm")],
+        "the sibling with both whole histories is preferred\n{}",
+        choosing.log_tail()
+    );
+    fleet.routers.push(whole);
     fleet.routers.push(blind);
     fleet.routers.push(booting);
+    fleet.routers.push(choosing);
 }

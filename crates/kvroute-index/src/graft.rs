@@ -152,6 +152,17 @@ impl GraftPlan {
             .find(|c| c.rank as usize == pos)
             .copied()
     }
+
+    /// Whether the snapshot lists `rank` in `partial_ranks`: its producer's history of the rank
+    /// does not reach back to the publisher's origin, so a graft of it is only as complete as
+    /// that producer's view.
+    pub fn history_partial(&self, rank: &RankRef) -> bool {
+        self.snapshot
+            .ranks
+            .iter()
+            .position(|r| r == rank)
+            .is_some_and(|pos| self.snapshot.partial_ranks.contains(&(pos as u32)))
+    }
 }
 
 /// Carriers per rank; fails on a rank carrying one engine hash twice.

@@ -91,6 +91,12 @@ pub enum RestoreError {
         rank: u32,
         ranks: usize,
     },
+    #[error("partial_ranks[{index}] names rank {rank}, but there are {ranks} ranks")]
+    PartialRankOutOfRange {
+        index: usize,
+        rank: u32,
+        ranks: usize,
+    },
     #[error("carrier {carrier} has no tier bit set")]
     ZeroTiers { carrier: usize },
     #[error("carrier {carrier} has unknown tier bits {tiers:#x}")]
@@ -203,6 +209,15 @@ pub fn validate_structure(s: &IndexSnapshot) -> Result<(), RestoreError> {
     for (i, &r) in s.empty_ranks.iter().enumerate() {
         if r as usize >= ranks {
             return Err(RestoreError::EmptyRankOutOfRange {
+                index: i,
+                rank: r,
+                ranks,
+            });
+        }
+    }
+    for (i, &r) in s.partial_ranks.iter().enumerate() {
+        if r as usize >= ranks {
+            return Err(RestoreError::PartialRankOutOfRange {
                 index: i,
                 rank: r,
                 ranks,
@@ -552,6 +567,8 @@ impl IndexReader {
                 .filter(|(_, c)| **c == 0)
                 .map(|(i, _)| i as u32)
                 .collect(),
+            // Likewise only the service knows which ranks' histories are partial.
+            partial_ranks: Vec::new(),
             nodes: out,
         };
         (snapshot, report)
@@ -788,6 +805,12 @@ pub(crate) fn retain_ranks_validated(
         .collect();
     s.empty_ranks = s
         .empty_ranks
+        .iter()
+        .filter(|&&r| rank_map[r as usize] != NONE)
+        .map(|&r| rank_map[r as usize])
+        .collect();
+    s.partial_ranks = s
+        .partial_ranks
         .iter()
         .filter(|&&r| rank_map[r as usize] != NONE)
         .map(|&r| rank_map[r as usize])

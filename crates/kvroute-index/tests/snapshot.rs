@@ -276,6 +276,18 @@ fn restore_rejects_an_empty_rank_out_of_range() {
 }
 
 #[test]
+fn restore_rejects_a_partial_rank_out_of_range() {
+    rejects(
+        |s| s.partial_ranks = vec![0, 9],
+        RestoreError::PartialRankOutOfRange {
+            index: 1,
+            rank: 9,
+            ranks: 3,
+        },
+    );
+}
+
+#[test]
 fn restore_rejects_a_carrier_with_no_tier() {
     rejects(
         |s| s.nodes.carrier_tiers[4] = 0,

@@ -44,7 +44,9 @@ use tokio_util::sync::CancellationToken;
 use crate::bootstrap::{BootstrapEvent, GraftDisposition, GraftReceipt, GraftTarget};
 use crate::engine_loads::EngineLoads;
 use crate::metrics::{KvMetrics, TIER_LABELS};
-use crate::rank_state::{Action, BootstrapOutcome, HeldCost, Phase, RankMachine, ReplayAnswer};
+use crate::rank_state::{
+    Action, BootstrapOutcome, GraftHistory, HeldCost, Phase, RankMachine, ReplayAnswer,
+};
 use crate::status::{BootstrapState, RankKey, SequencingProgress, StatusTable};
 use crate::transport::KvSource;
 
@@ -542,7 +544,7 @@ impl<S: KvSource> Pump<S> {
         let mut receipt = GraftReceipt {
             ranks: Vec::with_capacity(targets.len()),
         };
-        let mut candidates: Vec<(RankKey, RankId, (i64, f64))> = Vec::new();
+        let mut candidates: Vec<(RankKey, RankId, (i64, f64), GraftHistory)> = Vec::new();
         for GraftTarget { key, incarnation } in targets {
             let Some(rank) = current(&mut self.ranks, &key, incarnation) else {
                 receipt.ranks.push((key, GraftDisposition::Stale));
@@ -552,9 +554,16 @@ impl<S: KvSource> Pump<S> {
                 worker_url: key.url.to_string(),
                 dp_rank: key.dp_rank,
             };
-            let duplicate = candidates.iter().any(|(k, _, _)| *k == key);
+            let duplicate = candidates.iter().any(|(k, ..)| *k == key);
+            let history = if plan.history_partial(&rank_ref) {
+                GraftHistory::Partial
+            } else {
+                GraftHistory::Complete
+            };
             match plan.cursor(&rank_ref) {
-                Some(c) if !duplicate => candidates.push((key, rank.rank_id, (c.seq, c.ts))),
+                Some(c) if !duplicate => {
+                    candidates.push((key, rank.rank_id, (c.seq, c.ts), history))
+                }
                 Some(_) => receipt.ranks.push((key, GraftDisposition::Declined)),
                 None => receipt.ranks.push((key, GraftDisposition::Uncovered)),
             }
@@ -563,13 +572,13 @@ impl<S: KvSource> Pump<S> {
             let _ = done.send(receipt);
             return;
         }
-        let ids: Vec<RankId> = candidates.iter().map(|(_, id, _)| *id).collect();
+        let ids: Vec<RankId> = candidates.iter().map(|(_, id, ..)| *id).collect();
         let mut job = match self.writer.begin_graft(*plan, &ids) {
             Ok(job) => job,
             Err(e) => {
                 tracing::warn!(model = %self.cfg.model, error = %e, "graft refused by the index");
                 self.metrics.grafts.with_label_values(&["rejected"]).inc();
-                for (key, _, _) in candidates {
+                for (key, ..) in candidates {
                     let taken = self.ranks.get_mut(&key).is_some_and(|r| {
                         r.machine
                             .on_release(BootstrapOutcome::Rejected, &mut self.actions)
@@ -587,12 +596,12 @@ impl<S: KvSource> Pump<S> {
             }
         };
         let mut grafted: HashMap<RankKey, Deferred> = HashMap::new();
-        for (key, rank_id, watermark) in candidates {
+        for (key, rank_id, watermark, history) in candidates {
             let mut out = Vec::new();
             let took = self
                 .ranks
                 .get_mut(&key)
-                .is_some_and(|r| r.machine.on_graft(watermark, &mut out));
+                .is_some_and(|r| r.machine.on_graft(watermark, history, &mut out));
             if !took {
                 // Declined before any slice ran, so the job has placed nothing for it.
                 job.exclude_rank(rank_id);
@@ -984,6 +993,10 @@ fn outcome_reason(outcome: BootstrapOutcome) -> &'static str {
         BootstrapOutcome::Warm => "graft spliced to the live stream, proven by sequence numbers",
         BootstrapOutcome::WarmUnwitnessed => {
             "graft kept; no batch, replay or sibling witnessed the splice"
+        }
+        BootstrapOutcome::WarmPartial => {
+            "graft spliced and proven, but the sibling joined the rank's stream mid-way: \
+             this replica sees what the sibling sees, not all the engine holds"
         }
         BootstrapOutcome::Gap => "live stream does not join the snapshot; graft discarded, cold",
         BootstrapOutcome::Uncovered => "no snapshot had a cursor for the rank; cold",

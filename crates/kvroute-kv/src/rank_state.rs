@@ -357,6 +357,20 @@ pub struct RankMachine<B> {
     /// rebuild that reaches back to it. Only then may "this rank carries nothing" be told to a
     /// sibling as "the engine holds nothing" (a snapshot's `empty_ranks`).
     history_complete: bool,
+    /// What the graft in place says about the rank's history: a graft of a rank its producer
+    /// lists as partial proves, even once spliced, only the producer's view, so its proof
+    /// settles `warm_partial` and leaves `history_complete` false. Set by each graft taken.
+    graft_history: GraftHistory,
+}
+
+/// How far back a snapshot's view of a rank reaches (the producer's `partial_ranks`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum GraftHistory {
+    /// The producer held the rank's whole history since its publisher's seq 0.
+    #[default]
+    Complete,
+    /// The producer joined the rank's stream mid-way, lost batches, or grafted such a view.
+    Partial,
 }
 
 impl<B: Stamped + HeldCost> RankMachine<B> {
@@ -373,6 +387,7 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
             retry_available: false,
             outcome: None,
             history_complete: false,
+            graft_history: GraftHistory::Complete,
         }
     }
 
@@ -659,7 +674,12 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
     /// it was taken: only a holding rank takes one, and after a gap only one whose cursor reaches
     /// the retry's demand (an older one would gap again by construction). The pump grafts only
     /// ranks that took it, then executes the actions.
-    pub fn on_graft(&mut self, watermark: Witness, out: &mut Vec<Action<B>>) -> bool {
+    pub fn on_graft(
+        &mut self,
+        watermark: Witness,
+        history: GraftHistory,
+        out: &mut Vec<Action<B>>,
+    ) -> bool {
         let Phase::Holding { min_cursor, .. } = &self.phase else {
             return false;
         };
@@ -671,6 +691,7 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
             return false;
         };
         out.push(Action::Graft { watermark });
+        self.graft_history = history;
         let (c, ts) = watermark;
         self.counters.reflected_batches += held.drop_through(c);
         self.cursor = Some(c);
@@ -1100,9 +1121,17 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         out: &mut Vec<Action<B>>,
     ) {
         self.phase = Phase::Live;
+        // A proven splice proves only what the grafted snapshot knew.
+        let outcome =
+            if outcome == BootstrapOutcome::Warm && self.graft_history == GraftHistory::Partial {
+                BootstrapOutcome::WarmPartial
+            } else {
+                outcome
+            };
         self.record_outcome(outcome, out);
         // Outcomes that prove the index reaches back to the publisher's origin; a batch lost
-        // while the held ones apply below takes that back. `warm_unwitnessed` proves nothing.
+        // while the held ones apply below takes that back. `warm_unwitnessed` and `warm_partial`
+        // prove nothing of the kind.
         if matches!(
             outcome,
             BootstrapOutcome::Warm

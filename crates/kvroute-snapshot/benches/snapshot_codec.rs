@@ -221,6 +221,7 @@ fn build_fleet_snapshot(shape: Shape, hashes: EngineHashes) -> IndexSnapshot {
             })
             .collect(),
         empty_ranks: Vec::new(),
+        partial_ranks: vec![],
         nodes: b.nodes,
     }
 }

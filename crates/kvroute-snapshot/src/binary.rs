@@ -3,7 +3,7 @@
 //! Layout (all integers little-endian; "varint" is unsigned LEB128):
 //!
 //! ```text
-//! envelope: "KVSN" | version u8 (=1) | flags u8 | payload | [HMAC-SHA256 tag, 32 bytes]
+//! envelope: "KVSN" | version u8 (1 or 2) | flags u8 | payload | [HMAC-SHA256 tag, 32 bytes]
 //!   flags: bits 0-1 compression (0 none, 1 gzip, 2 zstd), bit 2 MAC present, others zero
 //!   payload: the body, compressed as the flags say
 //!   tag: HMAC-SHA256(key, every envelope byte before the tag)
@@ -12,6 +12,7 @@
 //!   ranks: count, then per rank: worker_url (len, UTF-8), dp_rank varint
 //!   cursors: count, then per cursor: rank varint, seq zigzag varint, ts f64 bits (8 bytes)
 //!   empty_ranks: count, then rank varints
+//!   partial_ranks (version 2 only): count, then rank varints
 //!   node_count varint | carrier_count varint
 //!   parents:        per node, 0 for a root else (node index - parent index)
 //!   content hashes: per node, 8 raw bytes
@@ -34,6 +35,12 @@
 //! The MAC covers the compressed envelope and is checked before anything is inflated or parsed,
 //! so an unauthenticated sender cannot even reach the decompressor. The checksum lives inside the
 //! body so it also catches encoder/decoder disagreements, not only transport corruption.
+//! Versions: a snapshot that names no partial rank is written as version 1, byte for byte what
+//! producers wrote before `partial_ranks` existed, so a consumer that predates it still reads
+//! every snapshot of a fully warm fleet; only a snapshot with something to say about partial
+//! histories is version 2, which such a consumer refuses rather than graft as complete. A version
+//! 1 snapshot decodes with no partial rank.
+//!
 //! Encoding streams: the body is produced in [`BODY_CHUNK_BYTES`] chunks straight into the
 //! compressor and the caller's writer.
 
@@ -51,8 +58,20 @@ use crate::varint::{Reader, put_varint, unzigzag, zigzag};
 
 /// First four bytes of every binary snapshot.
 pub const BINARY_MAGIC: [u8; 4] = *b"KVSN";
-/// Version of the envelope and body layout described in the module doc.
+/// Version of the envelope and body layout described in the module doc, without
+/// `partial_ranks`: what is written when no rank is partial.
 pub const BINARY_VERSION: u8 = 1;
+/// The same layout with the `partial_ranks` list after `empty_ranks`.
+pub const BINARY_VERSION_PARTIAL: u8 = 2;
+
+/// The version `snapshot` is written as (see the module doc).
+pub fn binary_version_of(snapshot: &IndexSnapshot) -> u8 {
+    if snapshot.partial_ranks.is_empty() {
+        BINARY_VERSION
+    } else {
+        BINARY_VERSION_PARTIAL
+    }
+}
 /// `Content-Type` the service should send with a binary snapshot.
 pub const BINARY_CONTENT_TYPE: &str = "application/x-kvroute-snapshot";
 /// Size of the body chunks handed to the compressor/writer while streaming.
@@ -122,7 +141,7 @@ pub fn encode_binary<W: Write>(
         flags |= FLAG_MAC;
     }
     tee.write_all(&BINARY_MAGIC)?;
-    tee.write_all(&[BINARY_VERSION, flags])?;
+    tee.write_all(&[binary_version_of(snapshot), flags])?;
 
     let compressor = CompressingWriter::new(tee, options.compression)?;
     let mut body = BodyWriter {
@@ -178,8 +197,9 @@ pub fn decode_binary(
     if bytes[..4] != BINARY_MAGIC {
         return Err(SnapshotDecodeError::BadMagic);
     }
-    if bytes[4] != BINARY_VERSION {
-        return Err(SnapshotDecodeError::UnsupportedVersion { version: bytes[4] });
+    let version = bytes[4];
+    if version != BINARY_VERSION && version != BINARY_VERSION_PARTIAL {
+        return Err(SnapshotDecodeError::UnsupportedVersion { version });
     }
     let flags = bytes[5];
     if flags & !(FLAG_COMPRESSION_MASK | FLAG_MAC) != 0 {
@@ -226,7 +246,7 @@ pub fn decode_binary(
         compression,
         limits.max_bytes,
     )?;
-    decode_body(&body, limits)
+    decode_body(&body, limits, version)
 }
 
 /// Hands body bytes to the compressor in chunks while hashing them for the trailing checksum.
@@ -374,6 +394,12 @@ fn write_body<W: Write>(snapshot: &IndexSnapshot, body: &mut BodyWriter<W>) -> s
     for &rank in &snapshot.empty_ranks {
         body.varint(u64::from(rank))?;
     }
+    if binary_version_of(snapshot) == BINARY_VERSION_PARTIAL {
+        body.varint(snapshot.partial_ranks.len() as u64)?;
+        for &rank in &snapshot.partial_ranks {
+            body.varint(u64::from(rank))?;
+        }
+    }
 
     let nodes = &snapshot.nodes;
     let node_count = nodes.len();
@@ -481,6 +507,7 @@ fn node_shape(nodes: &SnapshotNodes, node: usize) -> u64 {
 pub(crate) fn decode_body(
     body: &[u8],
     limits: &DecodeLimits,
+    version: u8,
 ) -> Result<IndexSnapshot, SnapshotDecodeError> {
     if body.len() < CHECKSUM_BYTES {
         return Err(SnapshotDecodeError::Truncated { field: "checksum" });
@@ -493,12 +520,13 @@ pub(crate) fn decode_body(
     if stored != computed {
         return Err(SnapshotDecodeError::ChecksumMismatch { stored, computed });
     }
-    decode_fields(content, limits)
+    decode_fields(content, limits, version)
 }
 
 fn decode_fields(
     content: &[u8],
     limits: &DecodeLimits,
+    version: u8,
 ) -> Result<IndexSnapshot, SnapshotDecodeError> {
     let mut r = Reader::new(content);
     let format = r.varint_u32("format")?;
@@ -549,6 +577,14 @@ fn decode_fields(
     let mut empty_ranks = Vec::with_capacity(empty_count);
     for _ in 0..empty_count {
         empty_ranks.push(rank_index("empty rank", r.varint("empty rank")?)?);
+    }
+    let mut partial_ranks = Vec::new();
+    if version == BINARY_VERSION_PARTIAL {
+        let partial_count = r.count("partial_ranks", limits.max_ranks, 1)?;
+        partial_ranks.reserve_exact(partial_count);
+        for _ in 0..partial_count {
+            partial_ranks.push(rank_index("partial rank", r.varint("partial rank")?)?);
+        }
     }
 
     let node_count = r.count("nodes", limits.max_nodes, NODE_MIN_BYTES)?;
@@ -687,6 +723,7 @@ fn decode_fields(
         ranks,
         cursors,
         empty_ranks,
+        partial_ranks,
         nodes: SnapshotNodes {
             parent,
             content_hash,
@@ -754,6 +791,7 @@ mod tests {
                 ts: 12.5,
             }],
             empty_ranks: vec![],
+            partial_ranks: vec![],
             nodes,
         }
     }
@@ -796,7 +834,12 @@ mod tests {
         for shared in [true, false] {
             let snapshot = chain(40, 5, shared);
             assert_eq!(
-                decode_body(&body_of(&snapshot), &DecodeLimits::default()).unwrap(),
+                decode_body(
+                    &body_of(&snapshot),
+                    &DecodeLimits::default(),
+                    BINARY_VERSION
+                )
+                .unwrap(),
                 snapshot
             );
         }
@@ -825,7 +868,7 @@ mod tests {
                 body.drain(keep..content_len);
             }
             fix_checksum(&mut body);
-            if let Ok(decoded) = decode_body(&body, &limits) {
+            if let Ok(decoded) = decode_body(&body, &limits, BINARY_VERSION) {
                 prop_assert!(decoded.nodes.carried_blocks() <= limits.max_carriers);
                 prop_assert_eq!(decoded.nodes.carrier_end.last().copied().unwrap_or(0) as usize,
                     decoded.nodes.carried_blocks());

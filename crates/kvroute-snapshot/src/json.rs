@@ -8,6 +8,7 @@
 //!  "ranks":[{"worker_url":"http://10.0.0.5:8000","dp_rank":0}],
 //!  "cursors":[{"rank":0,"seq":41,"ts":1764467000.25}],
 //!  "empty_ranks":[],
+//!  "partial_ranks":[1],   (only when some rank's history is partial; absent means none)
 //!  "node_count":2,"carried_blocks":2,
 //!  "nodes":[{"parent":null,"hash":"9e3779b97f4a7c15","carriers":[{"rank":0,"tiers":1,"engine_hash":"00000000000004d2"}]},
 //!           {"parent":0,"hash":"...","carriers":[...]}]}
@@ -58,6 +59,7 @@ pub fn encode_json<W: Write>(snapshot: &IndexSnapshot, out: W) -> Result<(), Sna
         ranks: &snapshot.ranks,
         cursors: &snapshot.cursors,
         empty_ranks: &snapshot.empty_ranks,
+        partial_ranks: &snapshot.partial_ranks,
         node_count: snapshot.nodes.len(),
         carried_blocks: snapshot.nodes.carried_blocks(),
         nodes: NodesView(&snapshot.nodes),
@@ -118,6 +120,7 @@ pub fn decode_json(
     over("ranks", owned.ranks.len(), limits.max_ranks)?;
     over("cursors", owned.cursors.len(), limits.max_ranks)?;
     over("empty_ranks", owned.empty_ranks.len(), limits.max_ranks)?;
+    over("partial_ranks", owned.partial_ranks.len(), limits.max_ranks)?;
     over("nodes", owned.nodes.len(), limits.max_nodes)?;
     for rank in &owned.ranks {
         over("worker_url", rank.worker_url.len(), WORKER_URL_MAX_BYTES)?;
@@ -139,6 +142,9 @@ pub fn decode_json(
     }
     for &rank in &owned.empty_ranks {
         check_rank("empty rank", rank)?;
+    }
+    for &rank in &owned.partial_ranks {
+        check_rank("partial rank", rank)?;
     }
     let carriers: usize = owned.nodes.iter().map(|n| n.carriers.len()).sum();
     over(
@@ -185,6 +191,7 @@ pub fn decode_json(
         ranks: owned.ranks,
         cursors: owned.cursors,
         empty_ranks: owned.empty_ranks,
+        partial_ranks: owned.partial_ranks,
         nodes,
     })
 }
@@ -238,6 +245,9 @@ struct SnapshotView<'a> {
     ranks: &'a [RankRef],
     cursors: &'a [RankCursor],
     empty_ranks: &'a [u32],
+    /// Omitted when empty, so a fully warm fleet's JSON is what it was before the field.
+    #[serde(skip_serializing_if = "<[u32]>::is_empty")]
+    partial_ranks: &'a [u32],
     node_count: usize,
     carried_blocks: usize,
     nodes: NodesView<'a>,
@@ -329,5 +339,8 @@ struct SnapshotOwned {
     ranks: Vec<RankRef>,
     cursors: Vec<RankCursor>,
     empty_ranks: Vec<u32>,
+    /// Absent in the JSON of producers that predate it: no partial rank.
+    #[serde(default)]
+    partial_ranks: Vec<u32>,
     nodes: Vec<NodeOwned>,
 }

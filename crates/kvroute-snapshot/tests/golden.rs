@@ -25,6 +25,7 @@ fn tiny() -> IndexSnapshot {
             ts: 1.5,
         }],
         empty_ranks: vec![],
+        partial_ranks: vec![],
         nodes: SnapshotNodes {
             parent: vec![NO_PARENT, 0],
             content_hash: vec![0x0102_0304_0506_0708, 0x1112_1314_1516_1718],

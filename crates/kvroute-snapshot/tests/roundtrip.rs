@@ -5,8 +5,9 @@ mod common;
 
 use common::{OTHER_KEY, TEST_KEY, random_snapshot, random_snapshot_with_nodes};
 use kvroute_snapshot::{
-    Compression, DecodeLimits, EncodeOptions, SnapshotDecodeError, decode_binary, decode_json,
-    decompress_bounded, encode_binary, encode_binary_to_vec, encode_json_to_vec,
+    BINARY_VERSION, BINARY_VERSION_PARTIAL, Compression, DecodeLimits, EncodeOptions,
+    SnapshotDecodeError, decode_binary, decode_json, decompress_bounded, encode_binary,
+    encode_binary_to_vec, encode_json_to_vec,
 };
 use kvroute_wire::snapshot::IndexSnapshot;
 use proptest::prelude::*;
@@ -67,6 +68,53 @@ proptest! {
 
 fn cursor_ts_bits(snapshot: &IndexSnapshot) -> Vec<u64> {
     snapshot.cursors.iter().map(|c| c.ts.to_bits()).collect()
+}
+
+/// A fleet with no partial rank writes exactly the version-1 bytes a consumer that predates
+/// `partial_ranks` reads; naming a partial rank switches to version 2, and both decode back.
+#[test]
+fn a_snapshot_names_its_partial_ranks_in_version_2_and_is_version_1_without_any() {
+    let mut snapshot = random_snapshot(21, 30, 3);
+    snapshot.partial_ranks.clear();
+    let complete = encode_binary_to_vec(&snapshot, &EncodeOptions::default()).unwrap();
+    assert_eq!(complete[4], BINARY_VERSION);
+    let decoded = decode_binary(&complete, &DecodeLimits::default(), None).unwrap();
+    assert!(decoded.partial_ranks.is_empty());
+    let json: serde_json::Value =
+        serde_json::from_slice(&encode_json_to_vec(&snapshot).unwrap()).unwrap();
+    assert!(
+        json.get("partial_ranks").is_none(),
+        "an empty list is omitted from the JSON: {json}"
+    );
+
+    snapshot.partial_ranks = vec![2, 0];
+    let partial = encode_binary_to_vec(&snapshot, &EncodeOptions::default()).unwrap();
+    assert_eq!(partial[4], BINARY_VERSION_PARTIAL);
+    let decoded = decode_binary(&partial, &DecodeLimits::default(), None).unwrap();
+    assert_eq!(decoded.partial_ranks, vec![2, 0]);
+    let json = decode_json(
+        &encode_json_to_vec(&snapshot).unwrap(),
+        &DecodeLimits::default(),
+    );
+    assert_eq!(json.unwrap().partial_ranks, vec![2, 0]);
+}
+
+#[test]
+fn a_partial_rank_index_past_the_rank_table_is_refused_by_both_decoders() {
+    let mut snapshot = random_snapshot(22, 10, 2);
+    snapshot.partial_ranks = vec![5];
+    let binary = encode_binary_to_vec(&snapshot, &EncodeOptions::default()).unwrap();
+    let err = decode_binary(&binary, &DecodeLimits::default(), None).unwrap_err();
+    assert!(
+        matches!(err, SnapshotDecodeError::RankOutOfRange { .. }),
+        "binary: {err:?}"
+    );
+    let json = encode_json_to_vec(&snapshot).unwrap();
+    let err = decode_json(&json, &DecodeLimits::default()).unwrap_err();
+    assert!(
+        matches!(err, SnapshotDecodeError::RankOutOfRange { .. }),
+        "json: {err:?}"
+    );
 }
 
 #[test]

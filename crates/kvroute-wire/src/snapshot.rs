@@ -83,5 +83,12 @@ pub struct IndexSnapshot {
     /// has applied (so the engine holds nothing for them), by rank index. A rank the producer
     /// joined mid-stream, or lost batches of, is never listed, even when it carries nothing.
     pub empty_ranks: Vec<u32>,
+    /// Ranks with a cursor whose history the producer does NOT hold since its publisher's seq 0,
+    /// by rank index: it joined the stream mid-way, lost batches, or itself grafted such a
+    /// partial view. Their carriers are what the producer has seen, not all the engine holds, so
+    /// a consumer that grafts them sees what its sibling sees and must not call that `warm`.
+    /// Absent (empty) in snapshots of producers that predate the field.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partial_ranks: Vec<u32>,
     pub nodes: SnapshotNodes,
 }

@@ -721,7 +721,7 @@ async fn the_sweeps_raw_answer_vets_into_the_producers_cursor_for_every_live_ran
     );
     for (i, key) in ranks[..3].iter().enumerate() {
         match vetted.coverage(RankId(100 + i as u32)) {
-            Coverage::Covered { cursor } => {
+            Coverage::Covered { cursor, .. } => {
                 assert_eq!(cursor.0, want[key], "watermark of {key:?} is A's cursor")
             }
             other => panic!("{key:?} not covered: {other:?}"),

@@ -69,6 +69,7 @@ pub fn snapshot_listing(listed: &[u32], covered: &[u32], empty: &[u32]) -> Index
             })
             .collect(),
         empty_ranks: empty.iter().map(|&r| pos(r)).collect(),
+        partial_ranks: vec![],
         nodes,
     }
 }
@@ -97,6 +98,20 @@ fn vet_snapshot(snapshot: &IndexSnapshot) -> VettedSnapshot {
 pub fn body(covered: &[u32], empty: &[u32], received_ms: u64) -> FetchResult {
     FetchResult::Body {
         vetted: Ok(vetted(covered, empty)),
+        stamp: ExportStamp {
+            received_ms,
+            age_ms: Some(0),
+        },
+    }
+}
+
+/// As [`body`], from a producer whose history of the `partial` ranks (among `covered`) does
+/// not reach back to their publishers' origin: it lists them in `partial_ranks`.
+pub fn body_partial(covered: &[u32], partial: &[u32], received_ms: u64) -> FetchResult {
+    let mut s = snapshot(covered, &[]);
+    s.partial_ranks = partial.to_vec();
+    FetchResult::Body {
+        vetted: Ok(vet_snapshot(&s)),
         stamp: ExportStamp {
             received_ms,
             age_ms: Some(0),

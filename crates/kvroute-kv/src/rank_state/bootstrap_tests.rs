@@ -43,7 +43,7 @@ fn mark(seq: i64, name: &'static str) -> Witness {
 
 fn graft(m: &mut M, seq: i64, name: &'static str) -> (bool, Out) {
     let mut out = Vec::new();
-    let took = m.on_graft(mark(seq, name), &mut out);
+    let took = m.on_graft(mark(seq, name), GraftHistory::Complete, &mut out);
     (took, out)
 }
 
@@ -920,23 +920,23 @@ fn every_bootstrap_path_reports_exactly_one_outcome() {
         }),
         (false, |m, o| {
             m.on_live_batch(6, "b6", o);
-            m.on_graft(mark(5, "b5"), o);
+            m.on_graft(mark(5, "b5"), GraftHistory::Complete, o);
         }),
         (false, |m, o| {
             m.on_live_batch(9, "b9", o);
-            m.on_graft(mark(5, "b5"), o);
-            m.on_graft(mark(7, "b7"), o);
-            m.on_graft(mark(8, "b8"), o);
+            m.on_graft(mark(5, "b5"), GraftHistory::Complete, o);
+            m.on_graft(mark(7, "b7"), GraftHistory::Complete, o);
+            m.on_graft(mark(8, "b8"), GraftHistory::Complete, o);
         }),
         (false, |m, o| {
-            m.on_graft(mark(5, "b5"), o);
+            m.on_graft(mark(5, "b5"), GraftHistory::Complete, o);
             for g in 0..SPLICE_PROBE_ROUNDS_MAX as u64 {
                 m.on_probe_answer(g, None, o);
             }
             m.on_live_batch(6, "b6", o);
         }),
         (true, |m, o| {
-            m.on_graft(mark(5, "b5"), o);
+            m.on_graft(mark(5, "b5"), GraftHistory::Complete, o);
             m.on_replay_answer(0, ReplayAnswer::Batches(vec![]), o);
             m.on_live_batch(0, "n0", o);
         }),
@@ -948,7 +948,7 @@ fn every_bootstrap_path_reports_exactly_one_outcome() {
         }),
         (true, |m, o| {
             m.on_live_batch(8, "b8", o);
-            m.on_graft(mark(5, "b5"), o);
+            m.on_graft(mark(5, "b5"), GraftHistory::Complete, o);
             m.on_live_batch(2, "n2", o);
         }),
     ];
@@ -967,6 +967,7 @@ fn outcome_labels_are_the_metric_names() {
     let all = [
         (BootstrapOutcome::Warm, "warm"),
         (BootstrapOutcome::WarmUnwitnessed, "warm_unwitnessed"),
+        (BootstrapOutcome::WarmPartial, "warm_partial"),
         (BootstrapOutcome::Gap, "gap"),
         (BootstrapOutcome::Uncovered, "uncovered"),
         (BootstrapOutcome::Abandoned, "abandoned"),
@@ -1006,6 +1007,54 @@ fn a_proven_splice_completes_the_history_and_an_unwitnessed_graft_does_not() {
     probe(&mut m, g, None);
     assert_eq!(m.outcome(), Some(BootstrapOutcome::WarmUnwitnessed));
     assert!(!m.history_complete());
+}
+
+fn partial_graft(m: &mut M, seq: i64, name: &'static str) -> Out {
+    let mut out = Vec::new();
+    assert!(m.on_graft(mark(seq, name), GraftHistory::Partial, &mut out));
+    out
+}
+
+#[test]
+fn a_proven_splice_of_a_partial_graft_settles_warm_partial_on_the_held_and_the_deferred_path() {
+    // Held path: cursor 5, first held 6.
+    let mut m = boot(false);
+    hold(&mut m, &[(6, "b6")]);
+    let out = partial_graft(&mut m, 5, "b5");
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::WarmPartial]);
+    assert_eq!(applied(&out), vec![6]);
+    assert!(
+        !m.history_complete(),
+        "a sibling's partial view proves no whole history"
+    );
+
+    // Deferred path: nothing held at the graft, the proof is the first live batch, 6.
+    let mut m = boot(false);
+    partial_graft(&mut m, 5, "b5");
+    let out = live(&mut m, 6, "b6");
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::WarmPartial]);
+    assert!(!m.history_complete());
+
+    // The splice rule itself is unchanged: 7 after cursor 5 is a gap, partial or not.
+    let mut m = boot(false);
+    hold(&mut m, &[(7, "b7")]);
+    let out = partial_graft(&mut m, 5, "b5");
+    assert!(
+        !outcomes(&out).contains(&BootstrapOutcome::WarmPartial),
+        "a gap is not a splice: {out:?}"
+    );
+}
+
+#[test]
+fn a_gap_retry_with_a_complete_snapshot_settles_warm_after_a_partial_first_graft() {
+    let mut m = boot(false);
+    hold(&mut m, &[(9, "b9")]);
+    partial_graft(&mut m, 5, "b5");
+    // The retry's snapshot, from a sibling with the whole history, reaches the held batch 9.
+    let (took, out) = graft(&mut m, 8, "b8");
+    assert!(took, "the retry graft is taken: {out:?}");
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::Warm]);
+    assert!(m.history_complete());
 }
 
 #[test]

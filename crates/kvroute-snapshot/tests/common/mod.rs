@@ -66,6 +66,15 @@ pub fn random_snapshot_with_nodes(
         .filter(|_| rng.chance(20))
         .map(|r| r as u32)
         .collect();
+    // Half the snapshots name no partial rank (written as binary version 1), half some.
+    let partial_ranks = if rng.chance(50) {
+        Vec::new()
+    } else {
+        (0..rank_count)
+            .filter(|_| rng.chance(30))
+            .map(|r| r as u32)
+            .collect()
+    };
     let mut nodes = SnapshotNodes::default();
     for i in 0..node_count {
         let parent = if i == 0 || rng.chance(20) {
@@ -114,6 +123,7 @@ pub fn random_snapshot_with_nodes(
         ranks,
         cursors,
         empty_ranks,
+        partial_ranks,
         nodes,
     }
 }

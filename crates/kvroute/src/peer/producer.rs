@@ -285,6 +285,31 @@ fn retain_proven_empty(
     });
 }
 
+/// Lists in `partial_ranks` every rank the export has a cursor for whose whole history this
+/// replica did not hold on both sides of the walk: it joined the stream mid-way, lost a batch,
+/// inherited a sibling's partial view, or is still proving a graft. A consumer grafts such a
+/// rank as `warm_partial` and keeps looking for a sibling with the whole history first; without
+/// the mark, a replica that was itself blind to a rank's past would hand that blindness on as
+/// `warm`.
+fn mark_partial_histories(
+    snapshot: &mut IndexSnapshot,
+    complete_before: &HashSet<RankRef>,
+    complete_after: &HashSet<RankRef>,
+) {
+    let ranks = &snapshot.ranks;
+    snapshot.partial_ranks = snapshot
+        .cursors
+        .iter()
+        .map(|c| c.rank)
+        .filter(|&r| {
+            ranks.get(r as usize).is_some_and(|rank| {
+                !(complete_before.contains(rank) && complete_after.contains(rank))
+            })
+        })
+        .collect();
+    snapshot.partial_ranks.sort_unstable();
+}
+
 /// The cached, single-flight snapshot producer of one router.
 pub struct SnapshotProducer {
     slots: Mutex<HashMap<String, ModelSlot>>,
@@ -383,7 +408,9 @@ impl SnapshotProducer {
                 let (mut snapshot, report) = reader.export_snapshot_with_report();
                 snapshot.producer_ready = replica_ready && has_cursor;
                 let carrying_nothing = snapshot.empty_ranks.len();
-                retain_proven_empty(&mut snapshot, &complete_before, &complete_ranks());
+                let complete_after = complete_ranks();
+                retain_proven_empty(&mut snapshot, &complete_before, &complete_after);
+                mark_partial_histories(&mut snapshot, &complete_before, &complete_after);
                 walk_seconds.observe(started.elapsed().as_secs_f64());
                 tracing::debug!(
                     model = %model_name,
@@ -393,6 +420,7 @@ impl SnapshotProducer {
                     cursors_withheld = report.cursors_withheld,
                     empty_ranks = snapshot.empty_ranks.len(),
                     empty_unproven = carrying_nothing - snapshot.empty_ranks.len(),
+                    partial_ranks = snapshot.partial_ranks.len(),
                     walk_ms = started.elapsed().as_millis() as u64,
                     "index exported"
                 );
@@ -563,43 +591,60 @@ mod tests {
         HashSet::from([rank(1)])
     }
 
-    #[tokio::test]
-    async fn only_ranks_with_a_complete_history_are_named_empty() {
+    /// Exports an index of ranks 1-3, each with a cursor, and 4, without one, where `complete`
+    /// are the ranks whose whole history this replica holds.
+    async fn export_with_whole_histories(complete: &[u16]) -> Arc<Export> {
         let (mut w, r) = PrefixIndex::new(IndexConfig::new(4));
         for n in [1, 2, 3] {
             let id = w.add_rank(rank(n));
             w.set_cursor(id, Some((3, 1.5)));
         }
-        let p = producer();
-        let (export, _) = p
-            .export(
-                "m",
-                &r,
-                request(0),
-                || true,
-                || HashSet::from([rank(1), rank(3)]),
-            )
+        w.add_rank(rank(4));
+        let complete: HashSet<RankRef> = complete.iter().map(|&n| rank(n)).collect();
+        let (export, _) = producer()
+            .export("m", &r, request(0), || true, move || complete.clone())
             .await
             .unwrap();
-        let named: Vec<&RankRef> = export
-            .snapshot
-            .empty_ranks
-            .iter()
-            .map(|&i| &export.snapshot.ranks[i as usize])
-            .collect();
-        assert_eq!(named, vec![&rank(1), &rank(3)], "rank 2 joined mid-stream");
+        export
     }
 
+    fn named<'a>(s: &'a IndexSnapshot, list: &[u32]) -> Vec<&'a RankRef> {
+        list.iter().map(|&i| &s.ranks[i as usize]).collect()
+    }
+
+    #[tokio::test]
+    async fn only_ranks_with_a_complete_history_are_named_empty() {
+        let export = export_with_whole_histories(&[1, 3]).await;
+        let s = &export.snapshot;
+        assert_eq!(
+            named(s, &s.empty_ranks),
+            vec![&rank(1), &rank(3)],
+            "rank 2 joined mid-stream; rank 4's history is unknown"
+        );
+    }
+
+    #[tokio::test]
+    async fn ranks_with_a_cursor_but_no_whole_history_are_listed_partial() {
+        let export = export_with_whole_histories(&[1]).await;
+        let s = &export.snapshot;
+        // Rank 4 has no cursor: nothing to graft, so nothing to call partial.
+        assert_eq!(named(s, &s.partial_ranks), vec![&rank(2), &rank(3)]);
+    }
+
+    /// Judged on both sides of the walk: a rank whose history broke during it (rank 2) is
+    /// neither named empty nor left out of `partial_ranks`.
     #[test]
-    fn a_rank_whose_history_broke_during_the_walk_is_not_named_empty() {
+    fn a_rank_whose_history_broke_during_the_walk_is_neither_empty_nor_whole() {
+        let cursor = |rank: u32, seq: i64| RankCursor { rank, seq, ts: 1.0 };
         let mut s = IndexSnapshot {
             format: SNAPSHOT_FORMAT,
             hash_scheme: String::new(),
             block_size: 4,
             producer_ready: true,
             ranks: vec![rank(1), rank(2)],
-            cursors: vec![],
+            cursors: vec![cursor(0, 4), cursor(1, 9)],
             empty_ranks: vec![0, 1, 7],
+            partial_ranks: vec![],
             nodes: Default::default(),
         };
         let before = HashSet::from([rank(1), rank(2)]);
@@ -610,6 +655,10 @@ mod tests {
             vec![0],
             "rank 2 broke; index 7 names no rank"
         );
+        mark_partial_histories(&mut s, &before, &after);
+        assert_eq!(s.partial_ranks, vec![1], "rank 2 broke during the walk");
+        mark_partial_histories(&mut s, &before, &before);
+        assert!(s.partial_ranks.is_empty(), "whole on both sides");
     }
 
     fn reader() -> IndexReader {
