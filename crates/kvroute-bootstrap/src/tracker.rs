@@ -313,8 +313,8 @@ impl<K: Eq + Hash + Clone> BootstrapTracker<K> {
 
     /// Settles a rank with `outcome`. From `Pending` every outcome but `gap` is allowed (a gap
     /// goes through [`BootstrapTracker::on_gap`], which owns the retry budget). From `Grafted`
-    /// only what can follow a graft: the proof's `warm` / `warm_unwitnessed` / `warm_partial`, a restarted
-    /// engine's `from_origin`, or `publisher_reset`.
+    /// only what can follow a graft: the proof's `warm` / `warm_unwitnessed` / `warm_partial`, a
+    /// restarted engine's `from_origin`, or `publisher_reset`.
     pub fn settle(
         &mut self,
         key: &K,
