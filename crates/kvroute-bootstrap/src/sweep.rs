@@ -538,6 +538,14 @@ impl<P: Ord + Clone> Sweep<P> {
             return out;
         }
         if now_ms >= self.deadline_ms {
+            // A partial cover kept while the last pass waited is still a seed: deliver it
+            // rather than time out with it in hand.
+            if matches!(&self.phase, SweepPhase::Open(p) if p.partial_offer.is_some()) {
+                self.end_pass(view, book, &mut out);
+                if self.is_finished() {
+                    return out;
+                }
+            }
             let verdict = Verdict::TimedOut {
                 peers_tried: self.tried.len(),
                 siblings: self.candidates(view, book).len(),

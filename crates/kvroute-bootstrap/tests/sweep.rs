@@ -193,6 +193,29 @@ fn a_partial_cover_is_delivered_when_its_pass_times_out_on_a_silent_sibling() {
 }
 
 #[test]
+fn a_partial_cover_in_hand_at_the_deadline_is_delivered_not_timed_out() {
+    let mut book = PeerBook::new(None);
+    // The pass opens at 1,000 with 500 ms left, so its fetches expire at the deadline itself.
+    let mut s = sweep(&[0], 0, 1_500);
+    let peers = ["a", "b"];
+    s.poll(&view(&peers), &book, 1_000);
+    let p = s.on_answer(
+        &order_for(Some(&s), "a"),
+        body_partial(&[0], &[0], 1_050),
+        &view(&peers),
+        &mut book,
+        1_050,
+    );
+    assert!(p.verdict.is_none());
+    let p = s.poll(&view(&peers), &book, 1_500);
+    assert!(
+        matches!(p.verdict, Some(Verdict::Found { peer: "a", .. })),
+        "got {:?}",
+        p.verdict.map(|v| v.kind())
+    );
+}
+
+#[test]
 fn a_body_that_covers_none_of_the_pending_ranks_does_not_end_the_sweep() {
     let mut book = PeerBook::new(None);
     let mut s = sweep(&[0], 0, 10_000);
