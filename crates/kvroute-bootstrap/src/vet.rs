@@ -261,6 +261,17 @@ fn restore_rejection(e: RestoreError) -> Rejection {
     }
 }
 
+/// One flag per rank, set for each rank `indices` names (an index past `ranks` is ignored).
+fn marked(ranks: usize, indices: &[u32]) -> Vec<bool> {
+    let mut flags = vec![false; ranks];
+    for &r in indices {
+        if let Some(slot) = flags.get_mut(r as usize) {
+            *slot = true;
+        }
+    }
+    flags
+}
+
 /// What a vetted snapshot says about one local rank.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Coverage {
@@ -389,30 +400,15 @@ impl VettedSnapshot {
         }
         // Indices below were validated by validate_structure (run again by retain_ranks), so
         // `get_mut` never misses; it is used anyway so a broken invariant cannot panic.
-        let mut carries = vec![false; ranks];
-        for &r in &snapshot.nodes.carrier_rank {
-            if let Some(slot) = carries.get_mut(r as usize) {
-                *slot = true;
-            }
-        }
+        let carries = marked(ranks, &snapshot.nodes.carrier_rank);
         let mut cursor = vec![None; ranks];
         for c in &snapshot.cursors {
             if let Some(slot) = cursor.get_mut(c.rank as usize) {
                 *slot = Some((c.seq, c.ts));
             }
         }
-        let mut listed_empty = vec![false; ranks];
-        for &r in &snapshot.empty_ranks {
-            if let Some(slot) = listed_empty.get_mut(r as usize) {
-                *slot = true;
-            }
-        }
-        let mut listed_partial = vec![false; ranks];
-        for &r in &snapshot.partial_ranks {
-            if let Some(slot) = listed_partial.get_mut(r as usize) {
-                *slot = true;
-            }
-        }
+        let listed_empty = marked(ranks, &snapshot.empty_ranks);
+        let listed_partial = marked(ranks, &snapshot.partial_ranks);
         let coverage: Vec<Coverage> = (0..ranks)
             .map(|i| match (carries[i], cursor[i], listed_empty[i]) {
                 (true, Some(cursor), _) => Coverage::Covered {

@@ -145,24 +145,27 @@ impl GraftPlan {
 
     /// The snapshot's cursor for `rank` (its rank index is the snapshot's).
     pub fn cursor(&self, rank: &RankRef) -> Option<RankCursor> {
-        let pos = self.snapshot.ranks.iter().position(|r| r == rank)?;
-        self.snapshot
-            .cursors
-            .iter()
-            .find(|c| c.rank as usize == pos)
-            .copied()
+        self.cover(rank).map(|c| c.cursor)
     }
 
-    /// Whether the snapshot lists `rank` in `partial_ranks`: its producer's history of the rank
-    /// does not reach back to the publisher's origin, so a graft of it is only as complete as
-    /// that producer's view.
-    pub fn history_partial(&self, rank: &RankRef) -> bool {
-        self.snapshot
-            .ranks
-            .iter()
-            .position(|r| r == rank)
-            .is_some_and(|pos| self.snapshot.partial_ranks.contains(&(pos as u32)))
+    /// What the snapshot says about `rank` when it has a cursor for it: the cursor and whether
+    /// the rank is listed in `partial_ranks`.
+    pub fn cover(&self, rank: &RankRef) -> Option<PlanCover> {
+        let pos = self.snapshot.ranks.iter().position(|r| r == rank)? as u32;
+        let cursor = *self.snapshot.cursors.iter().find(|c| c.rank == pos)?;
+        Some(PlanCover {
+            cursor,
+            partial: self.snapshot.partial_ranks.contains(&pos),
+        })
     }
+}
+
+/// A planned rank's watermark, and whether its producer's history of it is partial (it does not
+/// reach back to the publisher's origin, so a graft of it is only as complete as that view).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlanCover {
+    pub cursor: RankCursor,
+    pub partial: bool,
 }
 
 /// Carriers per rank; fails on a rank carrying one engine hash twice.

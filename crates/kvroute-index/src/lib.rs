@@ -12,7 +12,7 @@ mod table;
 
 pub use graft::{
     GRAFT_LOCK_NODES_MAX, GRAFT_SLICE_ITEMS_MAX, GraftError, GraftJob, GraftPlan, GraftProgress,
-    GraftReport,
+    GraftReport, PlanCover,
 };
 pub use index::{
     ApplyReport, IndexConfig, IndexCounters, IndexReader, IndexWriter, PrefixIndex, PrefixMatch,

@@ -123,6 +123,14 @@ pub struct RestoreReport {
 }
 
 /// Checks every structural rule of a snapshot (everything but format, scheme and block size).
+/// The first entry of a list of rank indices that names no rank, with its position.
+fn first_out_of_range(list: &[u32], ranks: usize) -> Option<(usize, u32)> {
+    list.iter()
+        .enumerate()
+        .find(|(_, r)| **r as usize >= ranks)
+        .map(|(i, &r)| (i, r))
+}
+
 pub fn validate_structure(s: &IndexSnapshot) -> Result<(), RestoreError> {
     let n = &s.nodes;
     let len = n.parent.len();
@@ -206,23 +214,11 @@ pub fn validate_structure(s: &IndexSnapshot) -> Result<(), RestoreError> {
         }
         *slot = true;
     }
-    for (i, &r) in s.empty_ranks.iter().enumerate() {
-        if r as usize >= ranks {
-            return Err(RestoreError::EmptyRankOutOfRange {
-                index: i,
-                rank: r,
-                ranks,
-            });
-        }
+    if let Some((index, rank)) = first_out_of_range(&s.empty_ranks, ranks) {
+        return Err(RestoreError::EmptyRankOutOfRange { index, rank, ranks });
     }
-    for (i, &r) in s.partial_ranks.iter().enumerate() {
-        if r as usize >= ranks {
-            return Err(RestoreError::PartialRankOutOfRange {
-                index: i,
-                rank: r,
-                ranks,
-            });
-        }
+    if let Some((index, rank)) = first_out_of_range(&s.partial_ranks, ranks) {
+        return Err(RestoreError::PartialRankOutOfRange { index, rank, ranks });
     }
     for (i, &t) in n.carrier_tiers.iter().enumerate() {
         if t == 0 {

@@ -555,14 +555,15 @@ impl<S: KvSource> Pump<S> {
                 dp_rank: key.dp_rank,
             };
             let duplicate = candidates.iter().any(|(k, ..)| *k == key);
-            let history = if plan.history_partial(&rank_ref) {
-                GraftHistory::Partial
-            } else {
-                GraftHistory::Complete
-            };
-            match plan.cursor(&rank_ref) {
+            match plan.cover(&rank_ref) {
                 Some(c) if !duplicate => {
-                    candidates.push((key, rank.rank_id, (c.seq, c.ts), history))
+                    let history = if c.partial {
+                        GraftHistory::Partial
+                    } else {
+                        GraftHistory::Complete
+                    };
+                    let watermark = (c.cursor.seq, c.cursor.ts);
+                    candidates.push((key, rank.rank_id, watermark, history))
                 }
                 Some(_) => receipt.ranks.push((key, GraftDisposition::Declined)),
                 None => receipt.ranks.push((key, GraftDisposition::Uncovered)),

@@ -65,7 +65,7 @@ pub const BINARY_VERSION: u8 = 1;
 pub const BINARY_VERSION_PARTIAL: u8 = 2;
 
 /// The version `snapshot` is written as (see the module doc).
-pub fn binary_version_of(snapshot: &IndexSnapshot) -> u8 {
+fn binary_version_of(snapshot: &IndexSnapshot) -> u8 {
     if snapshot.partial_ranks.is_empty() {
         BINARY_VERSION
     } else {

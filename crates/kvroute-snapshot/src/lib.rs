@@ -27,7 +27,7 @@ mod varint;
 
 pub use binary::{
     BINARY_CONTENT_TYPE, BINARY_MAGIC, BINARY_VERSION, BINARY_VERSION_PARTIAL, EncodeOptions,
-    EncodeStats, binary_version_of, decode_binary, encode_binary, encode_binary_to_vec,
+    EncodeStats, decode_binary, encode_binary, encode_binary_to_vec,
 };
 pub use compress::{CompressingWriter, Compression, decompress_bounded, read_bounded};
 pub use error::{SnapshotDecodeError, SnapshotEncodeError};

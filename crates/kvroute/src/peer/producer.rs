@@ -267,45 +267,36 @@ pub enum ExportSource {
     Built,
 }
 
-/// Keeps in `empty_ranks` (the index's "ranks carrying nothing") only the ranks whose whole
-/// history this replica held both before and after the walk. A rank this replica joined
-/// mid-stream, or lost batches of, may carry nothing here while its engine holds blocks; naming
-/// it empty would let a booting sibling settle `empty` on a blind replica's word. Judged on both
-/// sides of the walk so a rank that lost a batch (or restarted) during it is left out.
-fn retain_proven_empty(
+/// Applies what this replica knows of each rank's history to an export, judged on both sides of
+/// the walk (a rank whose history broke during it counts as broken), through one rule: a rank
+/// is whole when this replica held its entire stream since the publisher's seq 0 both before
+/// and after the walk.
+/// * `empty_ranks` (the index's "ranks carrying nothing") keeps only whole ranks. A rank this
+///   replica joined mid-stream, or lost batches of, may carry nothing here while its engine
+///   holds blocks; naming it empty would let a booting sibling settle `empty` on a blind
+///   replica's word.
+/// * `partial_ranks` lists every rank with a cursor that is not whole: it joined the stream
+///   mid-way, lost a batch, inherited a sibling's partial view, or is still proving a graft. A
+///   consumer grafts such a rank as `warm_partial` and keeps looking for a sibling with the
+///   whole history first; without the mark, a replica that was itself blind to a rank's past
+///   would hand that blindness on as `warm`.
+fn judge_histories(
     snapshot: &mut IndexSnapshot,
     complete_before: &HashSet<RankRef>,
     complete_after: &HashSet<RankRef>,
 ) {
-    let ranks = &snapshot.ranks;
-    snapshot.empty_ranks.retain(|&r| {
-        ranks
-            .get(r as usize)
-            .is_some_and(|rank| complete_before.contains(rank) && complete_after.contains(rank))
-    });
-}
-
-/// Lists in `partial_ranks` every rank the export has a cursor for whose whole history this
-/// replica did not hold on both sides of the walk: it joined the stream mid-way, lost a batch,
-/// inherited a sibling's partial view, or is still proving a graft. A consumer grafts such a
-/// rank as `warm_partial` and keeps looking for a sibling with the whole history first; without
-/// the mark, a replica that was itself blind to a rank's past would hand that blindness on as
-/// `warm`.
-fn mark_partial_histories(
-    snapshot: &mut IndexSnapshot,
-    complete_before: &HashSet<RankRef>,
-    complete_after: &HashSet<RankRef>,
-) {
-    let ranks = &snapshot.ranks;
+    let whole: Vec<bool> = snapshot
+        .ranks
+        .iter()
+        .map(|rank| complete_before.contains(rank) && complete_after.contains(rank))
+        .collect();
+    let is_whole = |r: u32| whole.get(r as usize).copied();
+    snapshot.empty_ranks.retain(|&r| is_whole(r) == Some(true));
     snapshot.partial_ranks = snapshot
         .cursors
         .iter()
         .map(|c| c.rank)
-        .filter(|&r| {
-            ranks.get(r as usize).is_some_and(|rank| {
-                !(complete_before.contains(rank) && complete_after.contains(rank))
-            })
-        })
+        .filter(|&r| is_whole(r) == Some(false))
         .collect();
     snapshot.partial_ranks.sort_unstable();
 }
@@ -409,8 +400,7 @@ impl SnapshotProducer {
                 snapshot.producer_ready = replica_ready && has_cursor;
                 let carrying_nothing = snapshot.empty_ranks.len();
                 let complete_after = complete_ranks();
-                retain_proven_empty(&mut snapshot, &complete_before, &complete_after);
-                mark_partial_histories(&mut snapshot, &complete_before, &complete_after);
+                judge_histories(&mut snapshot, &complete_before, &complete_after);
                 walk_seconds.observe(started.elapsed().as_secs_f64());
                 tracing::debug!(
                     model = %model_name,
@@ -649,15 +639,14 @@ mod tests {
         };
         let before = HashSet::from([rank(1), rank(2)]);
         let after = HashSet::from([rank(1)]);
-        retain_proven_empty(&mut s, &before, &after);
+        judge_histories(&mut s, &before, &after);
         assert_eq!(
             s.empty_ranks,
             vec![0],
             "rank 2 broke; index 7 names no rank"
         );
-        mark_partial_histories(&mut s, &before, &after);
         assert_eq!(s.partial_ranks, vec![1], "rank 2 broke during the walk");
-        mark_partial_histories(&mut s, &before, &before);
+        judge_histories(&mut s, &before, &before);
         assert!(s.partial_ranks.is_empty(), "whole on both sides");
     }
 
