@@ -492,6 +492,11 @@ impl VettedSnapshot {
             .copied()
             .filter(|r| self.coverage(*r).is_covered())
             .collect();
+        if self.local.iter().all(|id| wanted.contains(id)) {
+            // Every rank of the snapshot is grafted: nothing to drop, and `vet` already pruned
+            // what no rank carries. Skipping the pass matters at scale (a whole-table walk).
+            return Ok(self);
+        }
         let keep_refs: HashSet<RankRef> = self
             .snapshot
             .ranks
@@ -1041,6 +1046,22 @@ mod tests {
         assert_eq!(g.coverage(RankId(12)), Coverage::Unknown);
         let all = v.into_graft(&[RankId(10), RankId(12)]).unwrap();
         assert_eq!(all.snapshot().nodes.len(), 4);
+    }
+
+    #[test]
+    fn a_graft_of_every_covered_rank_keeps_the_vetted_snapshot_whole() {
+        let mut s = snapshot();
+        s.cursors.push(RankCursor {
+            rank: 1,
+            seq: 3,
+            ts: 0.5,
+        });
+        let v = vet_binary(&s, &live_all()).unwrap();
+        let whole = v.snapshot().clone();
+        let g = v.into_graft(&[RankId(10), RankId(11), RankId(12)]).unwrap();
+        assert_eq!(g.snapshot(), &whole);
+        assert_eq!(g.local_ids(), &[RankId(10), RankId(11), RankId(12)]);
+        assert!(g.coverage(RankId(11)).is_complete_cover());
     }
 
     #[test]

@@ -43,7 +43,7 @@ use hashbrown::HashSet;
 use kvroute_wire::snapshot::{IndexSnapshot, NO_PARENT, RankCursor, RankRef, SnapshotNodes};
 use thiserror::Error;
 
-use crate::index::{IndexWriter, RankId, RestoreDelta, Shard, Shared, word_rank};
+use crate::index::{EntryKeys, IndexWriter, RankId, RestoreDelta, Shard, Shared, word_rank};
 use crate::snapshot::{RestoreError, retain_ranks_validated, validate_snapshot};
 
 /// Default work per slice (see [`IndexWriter::graft_step`]), chosen with `benches/graft.rs` on
@@ -247,6 +247,9 @@ pub struct GraftJob {
     displaced: Vec<(RankId, u64, u32)>,
     eviction_runs_at_begin: u64,
     ancestors: Vec<u32>,
+    /// Shards whose node table was sized for this job's share of the snapshot (see
+    /// `place_nodes`).
+    shard_sized: Vec<bool>,
     report: GraftReport,
 }
 
@@ -385,6 +388,7 @@ impl IndexWriter {
             displaced: Vec::new(),
             eviction_runs_at_begin: self.reader().counters().eviction_runs,
             ancestors: Vec::new(),
+            shard_sized: vec![false; self.shared.shards.len()],
             report: GraftReport::default(),
             plan,
         })
@@ -485,6 +489,7 @@ impl IndexWriter {
             bucket_node,
             displaced,
             ancestors,
+            shard_sized,
             report,
             ..
         } = job;
@@ -499,6 +504,15 @@ impl IndexWriter {
             let shard_idx = shard_of_node(&shared, n, shard_of, next);
             let mut shard = shared.shards[shard_idx].write();
             shard.mutations += 1;
+            if !shard_sized[shard_idx] {
+                // Room for this shard's share of the snapshot (roots spread evenly over shards),
+                // taken the first time the job writes here: one rehash of the shard's table
+                // instead of one per growth step while its nodes arrive. A share that is
+                // already in the index (nodes shared with live ranks) only leaves room unused.
+                let shards = shard_sized.len();
+                shard.reserve_nodes(total / shards + total / shards / 8);
+                shard_sized[shard_idx] = true;
+            }
             let mut in_lock = 0usize;
             while next < total && spent < budget && in_lock < GRAFT_LOCK_NODES_MAX {
                 let i = next;
@@ -636,7 +650,7 @@ impl IndexWriter {
             .map(|d| (d.1, d.2))
             .collect();
         job.displaced.retain(|d| d.0 != rank);
-        self.restore_side_entries(rank, &displaced, &entries);
+        self.restore_side_entries(rank, &displaced, &entries, EntryKeys::Distinct);
     }
 
     fn finish_graft(&mut self, job: &mut GraftJob) {

@@ -787,6 +787,16 @@ fn side_get(
 
 /// Files `node_ref` under `engine` (whose carrier must already hold `engine`); returns the node
 /// ref it replaced.
+/// Whether entries filed in bulk into a side map are known to have pairwise distinct keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EntryKeys {
+    /// Proven distinct (a graft plan checks one engine hash per rank): an empty map takes them
+    /// without comparing keys.
+    Distinct,
+    /// Not proven: each entry is matched against the map, a later one replacing an earlier one.
+    Unchecked,
+}
+
 fn side_put(
     side: &mut HashTable<u32>,
     engine: u64,
@@ -1406,11 +1416,13 @@ impl IndexWriter {
     }
 
     /// Drops side entries of replaced engine hashes, then inserts `(engine, node_ref)` pairs.
+    /// `keys` says whether the caller proved the entries' engine hashes pairwise distinct.
     pub(crate) fn restore_side_entries(
         &mut self,
         rank: RankId,
         displaced: &[(u64, u32)],
         entries: &[(u64, u32)],
+        keys: EntryKeys,
     ) {
         let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) else {
             return;
@@ -1424,6 +1436,18 @@ impl IndexWriter {
         // trip per read (the restore holds no shard lock here).
         let guards = shared.read_all();
         let engine_of = |r: u32| engine_in(shared, &guards, r, rank.0);
+        if keys == EntryKeys::Distinct && displaced.is_empty() && wr.side.is_empty() {
+            // Nothing to collide with and nothing to replace: every entry is new, so none needs
+            // the key comparison, which reads the entry's node (a cache miss per probe; the bulk
+            // of a graft's side-map stage). After the reserve above the rehash closure never
+            // runs; it is the real one all the same.
+            for &(engine, node_ref) in entries {
+                wr.side.insert_unique(mix_engine(engine), node_ref, |&r| {
+                    mix_engine(engine_of(r).unwrap_or(0))
+                });
+            }
+            return;
+        }
         // A node whose carrier changed engine hash during this restore (listed in `displaced`)
         // may hold a later hash than an entry names; filing it under a stale hash would break
         // the side map invariant, so those entries are checked against the carrier first.

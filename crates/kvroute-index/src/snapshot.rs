@@ -40,7 +40,7 @@ use thiserror::Error;
 
 use crate::hash::HASH_SCHEME;
 use crate::index::{
-    IndexReader, IndexWriter, RankId, RestoreDelta, TIER_ALL, word_rank, word_tiers,
+    EntryKeys, IndexReader, IndexWriter, RankId, RestoreDelta, TIER_ALL, word_rank, word_tiers,
 };
 
 /// Nodes read per shard read-lock acquisition during export (bounds writer wait to ~tens of us).
@@ -686,7 +686,12 @@ impl IndexWriter {
             let lo = displaced.partition_point(|d| d.0 < local);
             let hi = displaced.partition_point(|d| d.0 <= local);
             let mine: Vec<(u64, u32)> = displaced[lo..hi].iter().map(|d| (d.1, d.2)).collect();
-            self.restore_side_entries(local, &mine, &by_rank[start[r]..fill[r]]);
+            self.restore_side_entries(
+                local,
+                &mine,
+                &by_rank[start[r]..fill[r]],
+                EntryKeys::Unchecked,
+            );
         }
         for c in &s.cursors {
             let local = report.rank_map[c.rank as usize];
@@ -761,6 +766,12 @@ pub(crate) fn retain_ranks_validated(
         if keep_node[i] && n.parent[i] != NO_PARENT {
             keep_node[n.parent[i] as usize] = true;
         }
+    }
+    // Every rank kept and every node kept: the rebuild below would copy the snapshot unchanged.
+    // That is the common case (a sibling serving the same engines), and the copy of a
+    // 100-million-carrier snapshot is seconds of a booting replica's time to warm.
+    if ranks.len() == s.ranks.len() && keep_node.iter().all(|&k| k) {
+        return;
     }
     let mut new_idx = vec![NONE; len];
     let mut out = SnapshotNodes::default();

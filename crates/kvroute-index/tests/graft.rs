@@ -279,6 +279,41 @@ fn a_held_removal_applied_after_the_graft_removes_the_grafted_block() {
 }
 
 #[test]
+fn every_grafted_carrier_is_found_by_its_engine_hash() {
+    // The side maps of pending ranks are filed in bulk without key comparisons; a removal by
+    // engine hash must still find every carrier the graft placed, whatever the slice size.
+    let (src, _) = source(9, 4, 16);
+    let snap = src.export_snapshot();
+    for items_max in [1, 7, usize::MAX] {
+        let (mut w, r, ids) = target(4);
+        graft_in_slices(&mut w, plan_all(&snap), &ids, items_max);
+        assert!(r.total_carried() > 0, "the graft placed carriers");
+        for (i, &id) in ids.iter().enumerate() {
+            let engines: Vec<u64> = snap
+                .nodes
+                .carrier_rank
+                .iter()
+                .zip(&snap.nodes.carrier_engine_hash)
+                .filter(|(rank, _)| **rank as usize == i)
+                .map(|(_, e)| *e)
+                .collect();
+            assert!(
+                !engines.is_empty(),
+                "rank {i} carries blocks in the snapshot"
+            );
+            w.apply_batch(id, 1_000, &batch(vec![removed(&engines, None)]));
+            assert_eq!(
+                r.rank_stats(id).map(|s| s.carried_blocks),
+                Some(0),
+                "slices of {items_max}: rank {i} keeps a carrier its engine removed"
+            );
+        }
+        assert_eq!(r.total_carried(), 0);
+        assert_eq!(r.node_count(), 0, "every node pruned with its last carrier");
+    }
+}
+
+#[test]
 fn cursors_are_set_only_when_the_graft_completes() {
     let (src, _) = source(5, 2, 6);
     let snap = src.export_snapshot();

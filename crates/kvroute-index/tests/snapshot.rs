@@ -379,6 +379,27 @@ fn retain_ranks_keeps_interior_nodes_on_a_kept_path_and_renumbers() {
 }
 
 #[test]
+fn retain_ranks_keeping_every_rank_changes_nothing_but_still_prunes_a_carrierless_leaf() {
+    let whole = sample();
+    let mut kept = whole.clone();
+    retain_ranks(&mut kept, |_| true).expect("valid");
+    assert_eq!(
+        kept, whole,
+        "nothing to drop: the snapshot is left as it was"
+    );
+
+    // A node with no carrier and no descendant (a producer's leftover) is dropped even when
+    // every rank is kept.
+    let mut leftover = sample();
+    leftover.nodes.parent.push(NO_PARENT);
+    leftover.nodes.content_hash.push(0xdead);
+    let carriers = *leftover.nodes.carrier_end.last().expect("sample has nodes");
+    leftover.nodes.carrier_end.push(carriers);
+    retain_ranks(&mut leftover, |_| true).expect("valid");
+    assert_eq!(leftover, whole, "the carrierless leaf is pruned");
+}
+
+#[test]
 fn each_export_carries_the_cursor_of_the_nodes_it_shows() {
     let (mut w, r) = PrefixIndex::new(cfg());
     let a = w.add_rank(rank_ref(0));
