@@ -567,6 +567,43 @@ fn plan_refuses_a_rank_carrying_one_engine_hash_on_two_nodes() {
 }
 
 #[test]
+fn plan_reports_the_lowest_rank_carrying_a_duplicate_whatever_group_checks_it() {
+    // Ranks are checked in groups on several threads; with duplicates in two ranks far apart
+    // (so in different groups whenever there is more than one), the report names the lower
+    // rank, as a check of one rank after another would.
+    let (src, _) = source(13, 8, 4);
+    let mut snap = src.export_snapshot();
+    fn plant(snap: &mut IndexSnapshot, rank: u32) -> (usize, u64) {
+        let c: Vec<usize> = (0..snap.nodes.carrier_rank.len())
+            .filter(|&c| snap.nodes.carrier_rank[c] == rank)
+            .take(2)
+            .collect();
+        let dup = snap.nodes.carrier_engine_hash[c[0]];
+        snap.nodes.carrier_engine_hash[c[1]] = dup;
+        (c[1], dup)
+    }
+    let (late_carrier, late_dup) = plant(&mut snap, 7);
+    let late_only = snap.clone();
+    let (early_carrier, early_dup) = plant(&mut snap, 2);
+    assert_eq!(
+        GraftPlan::new(late_only, BS, |_| true).err(),
+        Some(GraftError::DuplicateEngineHash {
+            carrier: late_carrier,
+            rank: 7,
+            engine: late_dup
+        })
+    );
+    assert_eq!(
+        GraftPlan::new(snap, BS, |_| true).err(),
+        Some(GraftError::DuplicateEngineHash {
+            carrier: early_carrier,
+            rank: 2,
+            engine: early_dup
+        })
+    );
+}
+
+#[test]
 fn plan_refuses_what_restore_refuses() {
     let (src, _) = source(12, 1, 3);
     let mut snap = src.export_snapshot();
