@@ -411,6 +411,12 @@ impl Shard {
         self.by_hash.reserve(additional);
     }
 
+    /// Hints the CPU to load the table slots a lookup of `hash` reads first.
+    #[inline]
+    pub(crate) fn prefetch_slot(&self, hash: u64) {
+        self.by_hash.prefetch(hash);
+    }
+
     #[inline]
     pub(crate) fn find(&self, hash: u64) -> Option<u32> {
         let nodes = &self.nodes;
