@@ -214,28 +214,25 @@ fn check_engine_hashes(s: &IndexSnapshot) -> Result<Vec<usize>, GraftError> {
         }
         None
     };
-    let duplicate = if threads == 1 {
-        first_duplicate(0, ranks)
-    } else {
-        std::thread::scope(|scope| {
-            let helpers: Vec<_> = (group..ranks)
-                .step_by(group)
-                .map(|lo| {
-                    let hi = (lo + group).min(ranks);
-                    (lo, hi, scope.spawn(move || first_duplicate(lo, hi)))
-                })
-                .collect();
-            // Groups are in rank order, so the first duplicate found in group order is the
-            // lowest rank's, the one a single thread would report.
-            let mut found = first_duplicate(0, group.min(ranks));
-            for (lo, hi, helper) in helpers {
-                // A helper that died is checked again here: no group goes unchecked.
-                let in_group = helper.join().unwrap_or_else(|_| first_duplicate(lo, hi));
-                found = found.or(in_group);
-            }
-            found
-        })
-    };
+    // One group (one thread) spawns no helper: the caller checks every rank itself.
+    let duplicate = std::thread::scope(|scope| {
+        let helpers: Vec<_> = (group..ranks)
+            .step_by(group)
+            .map(|lo| {
+                let hi = (lo + group).min(ranks);
+                (lo, hi, scope.spawn(move || first_duplicate(lo, hi)))
+            })
+            .collect();
+        // Groups are in rank order, so the first duplicate found in group order is the lowest
+        // rank's, the one a single thread would report.
+        let mut found = first_duplicate(0, group.min(ranks));
+        for (lo, hi, helper) in helpers {
+            // A helper that died is checked again here: no group goes unchecked.
+            let in_group = helper.join().unwrap_or_else(|_| first_duplicate(lo, hi));
+            found = found.or(in_group);
+        }
+        found
+    });
     if let Some((r, e)) = duplicate {
         // The rare path: find the second carrier for the report.
         let carrier = n
