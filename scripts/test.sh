@@ -6,6 +6,10 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
+# No incremental compilation state: a suite run builds each crate once, and the state would add
+# gigabytes to the target directory of a fresh machine for nothing.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+
 step() { printf '\n==> %s\n' "$*"; }
 
 step "python venv for the interop tests"
