@@ -30,4 +30,7 @@ pub use tracker::{
     BootstrapTracker, GapDecision, Ignored, Incarnation, Outcome, Phase, RankState, RankStatus,
     TrackerCounts,
 };
-pub use vet::{BodyEncoding, BodyMedia, Coverage, Expectations, Rejection, VettedSnapshot, vet};
+pub use vet::{
+    BodyEncoding, BodyMedia, Coverage, Expectations, Rejection, VettedSnapshot, decode_stream, vet,
+    vet_decoded, vet_stream,
+};

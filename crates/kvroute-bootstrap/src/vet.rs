@@ -2,9 +2,12 @@
 //! snapshot the graft may use.
 //!
 //! A sibling may run another build, be booting itself, sit behind a proxy that cuts bodies short,
-//! or be hostile, so everything it says is judged here, once, in one function ([`vet`]):
-//! decoding in the encoding the fetch negotiated (bounded by [`DecodeLimits`], MAC checked
-//! before anything is inflated), then the header (format, hash scheme, block size), the structure
+//! or be hostile, so everything it says is judged here, once: [`vet`] takes a whole body,
+//! [`vet_stream`] a body still arriving (the fetch's path: decoding overlaps the transfer and the
+//! body is never held whole), and both end in the same checks. First decoding in the encoding the
+//! fetch negotiated (bounded by [`DecodeLimits`]; the MAC checked before anything is inflated for
+//! a whole body, and before anything decoded is used for a stream, see
+//! `kvroute_snapshot::stream`), then the header (format, hash scheme, block size), the structure
 //! (`kvroute-index`'s own validation: parents precede children, indices in range, no duplicate
 //! ranks or cursors), the producer's readiness, and finally the rank table: ranks this replica
 //! does not serve are dropped, nodes left without a carrier are pruned unless a kept descendant
@@ -30,7 +33,7 @@ use std::collections::{HashMap, HashSet};
 use kvroute_index::{RankId, RestoreError, retain_ranks, validate_snapshot};
 use kvroute_snapshot::{
     BINARY_CONTENT_TYPE, Compression, DecodeLimits, JSON_CONTENT_TYPE, SnapshotDecodeError,
-    decode_binary, decode_json, decompress_bounded,
+    decode_binary, decode_binary_stream, decode_json, decompress_bounded, read_bounded,
 };
 use kvroute_wire::snapshot::{IndexSnapshot, RankRef};
 use thiserror::Error;
@@ -324,6 +327,43 @@ pub fn vet(
     vet_decoded(snapshot, expect)
 }
 
+/// [`vet`] for a body read from `body` as it arrives: [`decode_stream`], then [`vet_decoded`].
+pub fn vet_stream<R: std::io::Read>(
+    body: R,
+    encoding: BodyEncoding,
+    expect: &Expectations<'_>,
+) -> Result<VettedSnapshot, Rejection> {
+    let snapshot = decode_stream(body, encoding, &expect.limits, expect.mac_key)?;
+    vet_decoded(snapshot, expect)
+}
+
+/// The decoding half of [`vet_stream`], for a caller that must read this replica's live ranks
+/// only once the body has arrived (ranks register while a large body is on the wire): decode
+/// here, then hand the result to [`vet_decoded`] with the live set read at that moment. A binary
+/// body without `Content-Encoding` (what producers send) is decoded while it is read; any other
+/// body is first read whole, within the same byte limit, and decoded as [`vet`] does. An I/O
+/// error from `body` is a transient rejection naming it (the fetch that feeds `body` usually
+/// knows the cause better and reports that instead).
+pub fn decode_stream<R: std::io::Read>(
+    body: R,
+    encoding: BodyEncoding,
+    limits: &DecodeLimits,
+    mac_key: Option<&[u8]>,
+) -> Result<IndexSnapshot, Rejection> {
+    if encoding.media == BodyMedia::Binary && encoding.content_encoding == Compression::None {
+        decode_binary_stream(body, limits, mac_key).map_err(decode_rejection)
+    } else {
+        let whole = read_bounded(body, limits.max_bytes).map_err(decode_rejection)?;
+        let expect = Expectations {
+            block_size: 0,
+            live: &[],
+            mac_key,
+            limits: *limits,
+        };
+        decode(&whole, encoding, &expect)
+    }
+}
+
 fn decode(
     body: &[u8],
     encoding: BodyEncoding,
@@ -341,7 +381,9 @@ fn decode(
     .map_err(decode_rejection)
 }
 
-fn vet_decoded(
+/// Every check [`vet`] makes after decoding; only for a snapshot that [`decode_stream`] (or
+/// [`vet`]'s own decode) produced from a sibling's bytes.
+pub fn vet_decoded(
     mut snapshot: IndexSnapshot,
     expect: &Expectations<'_>,
 ) -> Result<VettedSnapshot, Rejection> {
@@ -997,6 +1039,108 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(r, Rejection::Damaged(_)), "{r:?}");
+    }
+
+    /// The fetch's path (`vet_stream`, fed in small reads) and the whole-body path reach the same
+    /// verdict, class included, on good, damaged, forged, cold, foreign and JSON bodies.
+    #[test]
+    fn a_streamed_body_is_judged_exactly_as_the_same_body_whole() {
+        struct Dribble<'a>(&'a [u8]);
+        impl std::io::Read for Dribble<'_> {
+            fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+                let n = out.len().min(self.0.len()).min(7);
+                out[..n].copy_from_slice(&self.0[..n]);
+                self.0 = &self.0[n..];
+                Ok(n)
+            }
+        }
+        let good = binary(&snapshot());
+        let mut flipped = good.clone();
+        let middle = flipped.len() / 2;
+        flipped[middle] ^= 0x40;
+        let signed_by_us = encode_binary_to_vec(
+            &snapshot(),
+            &EncodeOptions {
+                mac_key: Some(KEY),
+                ..EncodeOptions::default()
+            },
+        )
+        .unwrap();
+        let signed_by_other = encode_binary_to_vec(
+            &snapshot(),
+            &EncodeOptions {
+                mac_key: Some(b"another-shared-secret-of-the-test"),
+                ..EncodeOptions::default()
+            },
+        )
+        .unwrap();
+        let mut cold = snapshot();
+        cold.nodes = SnapshotNodes::default();
+        cold.cursors.clear();
+        let mut other_block = snapshot();
+        other_block.block_size = BLOCK * 2;
+        let json = encode_json_to_vec(&snapshot()).unwrap();
+        let gzip_json = {
+            use std::io::Write;
+            let mut gz =
+                kvroute_snapshot::CompressingWriter::new(Vec::new(), Compression::Gzip).unwrap();
+            gz.write_all(&json).unwrap();
+            gz.finish().unwrap()
+        };
+        let live = live_all();
+        let keyed = Expectations {
+            mac_key: Some(KEY),
+            ..expect(&live)
+        };
+        let plain = expect(&live);
+        let cases: Vec<(&str, Vec<u8>, BodyEncoding, &Expectations<'_>)> = vec![
+            ("good", good.clone(), BodyEncoding::binary(), &plain),
+            (
+                "cut short",
+                good[..good.len() - 3].to_vec(),
+                BodyEncoding::binary(),
+                &plain,
+            ),
+            ("a flipped byte", flipped, BodyEncoding::binary(), &plain),
+            ("signed by us", signed_by_us, BodyEncoding::binary(), &keyed),
+            (
+                "signed by another",
+                signed_by_other,
+                BodyEncoding::binary(),
+                &keyed,
+            ),
+            (
+                "unsigned, key set",
+                good.clone(),
+                BodyEncoding::binary(),
+                &keyed,
+            ),
+            ("cold", binary(&cold), BodyEncoding::binary(), &plain),
+            (
+                "another block size",
+                binary(&other_block),
+                BodyEncoding::binary(),
+                &plain,
+            ),
+            (
+                "not an envelope",
+                b"<html>hello</html>".to_vec(),
+                BodyEncoding::binary(),
+                &plain,
+            ),
+            ("json", json, BodyEncoding::json(Compression::None), &plain),
+            (
+                "gzip json",
+                gzip_json,
+                BodyEncoding::json(Compression::Gzip),
+                &plain,
+            ),
+        ];
+        for (name, body, encoding, expectations) in cases {
+            let whole = vet(&body, encoding, expectations);
+            let streamed = vet_stream(Dribble(&body), encoding, expectations);
+            assert_eq!(streamed, whole, "{name}: the streamed verdict differs");
+        }
     }
 
     #[test]

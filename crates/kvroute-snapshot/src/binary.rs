@@ -54,7 +54,7 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 use crate::compress::{CompressingWriter, Compression, decompress_bounded};
 use crate::error::{SnapshotDecodeError, SnapshotEncodeError};
 use crate::limits::{DecodeLimits, HASH_SCHEME_MAX_BYTES, MAC_KEY_MIN_BYTES, WORKER_URL_MAX_BYTES};
-use crate::varint::{Reader, put_varint, unzigzag, zigzag};
+use crate::varint::{FieldSource, Reader, put_varint, unzigzag, zigzag};
 
 /// First four bytes of every binary snapshot.
 pub const BINARY_MAGIC: [u8; 4] = *b"KVSN";
@@ -79,8 +79,8 @@ pub const BODY_CHUNK_BYTES: usize = 64 * 1024;
 /// Length of the HMAC-SHA256 trailer.
 pub const MAC_TAG_BYTES: usize = 32;
 
-const HEADER_BYTES: usize = 6;
-const CHECKSUM_BYTES: usize = 8;
+pub(crate) const HEADER_BYTES: usize = 6;
+pub(crate) const CHECKSUM_BYTES: usize = 8;
 const FLAG_COMPRESSION_MASK: u8 = 0b0000_0011;
 const FLAG_MAC: u8 = 0b0000_0100;
 const SHAPE_SHARED_ENGINE_HASH: u64 = 0b01;
@@ -93,7 +93,7 @@ const RANK_MIN_BYTES: usize = 2;
 /// Cheapest cursor: rank, seq, 8-byte ts.
 const CURSOR_MIN_BYTES: usize = 1 + 1 + 8;
 
-type HmacSha256 = Hmac<Sha256>;
+pub(crate) type HmacSha256 = Hmac<Sha256>;
 
 /// How to encode: compression and, when given, the shared secret for the HMAC trailer.
 #[derive(Debug, Clone, Copy, Default)]
@@ -194,39 +194,14 @@ pub fn decode_binary(
     if bytes.len() < HEADER_BYTES {
         return Err(SnapshotDecodeError::Truncated { field: "header" });
     }
-    if bytes[..4] != BINARY_MAGIC {
-        return Err(SnapshotDecodeError::BadMagic);
-    }
-    let version = bytes[4];
-    if version != BINARY_VERSION && version != BINARY_VERSION_PARTIAL {
-        return Err(SnapshotDecodeError::UnsupportedVersion { version });
-    }
-    let flags = bytes[5];
-    if flags & !(FLAG_COMPRESSION_MASK | FLAG_MAC) != 0 {
-        return Err(SnapshotDecodeError::UnknownFlags {
-            bits: flags & !(FLAG_COMPRESSION_MASK | FLAG_MAC),
-        });
-    }
-    let compression = Compression::from_code(flags & FLAG_COMPRESSION_MASK).ok_or(
-        SnapshotDecodeError::UnknownCompression {
-            code: flags & FLAG_COMPRESSION_MASK,
-        },
-    )?;
-    let has_mac = flags & FLAG_MAC != 0;
-    let mut mac = match mac_key {
-        Some(key) => {
-            Some(
-                new_mac(key).map_err(|len_bytes| SnapshotDecodeError::MacKeyTooShort {
-                    len_bytes,
-                    min_bytes: MAC_KEY_MIN_BYTES,
-                })?,
-            )
-        }
-        None => None,
-    };
-    if mac.is_some() && !has_mac {
-        return Err(SnapshotDecodeError::MacMissing);
-    }
+    let mut header = [0u8; HEADER_BYTES];
+    header.copy_from_slice(&bytes[..HEADER_BYTES]);
+    let Envelope {
+        version,
+        compression,
+        has_mac,
+        mut mac,
+    } = read_envelope_header(&header, mac_key)?;
     let payload_end = if has_mac {
         if bytes.len() < HEADER_BYTES + MAC_TAG_BYTES {
             return Err(SnapshotDecodeError::Truncated { field: "MAC tag" });
@@ -247,6 +222,60 @@ pub fn decode_binary(
         limits.max_bytes,
     )?;
     decode_body(&body, limits, version)
+}
+
+/// What the six header bytes say, checked, and a fresh MAC (when keyed) that has seen nothing
+/// yet: the caller feeds it every envelope byte before the tag, header included.
+pub(crate) struct Envelope {
+    pub(crate) version: u8,
+    pub(crate) compression: Compression,
+    pub(crate) has_mac: bool,
+    pub(crate) mac: Option<HmacSha256>,
+}
+
+pub(crate) fn read_envelope_header(
+    header: &[u8; HEADER_BYTES],
+    mac_key: Option<&[u8]>,
+) -> Result<Envelope, SnapshotDecodeError> {
+    if header[..4] != BINARY_MAGIC {
+        return Err(SnapshotDecodeError::BadMagic);
+    }
+    let version = header[4];
+    if version != BINARY_VERSION && version != BINARY_VERSION_PARTIAL {
+        return Err(SnapshotDecodeError::UnsupportedVersion { version });
+    }
+    let flags = header[5];
+    if flags & !(FLAG_COMPRESSION_MASK | FLAG_MAC) != 0 {
+        return Err(SnapshotDecodeError::UnknownFlags {
+            bits: flags & !(FLAG_COMPRESSION_MASK | FLAG_MAC),
+        });
+    }
+    let compression = Compression::from_code(flags & FLAG_COMPRESSION_MASK).ok_or(
+        SnapshotDecodeError::UnknownCompression {
+            code: flags & FLAG_COMPRESSION_MASK,
+        },
+    )?;
+    let has_mac = flags & FLAG_MAC != 0;
+    let mac = match mac_key {
+        Some(key) => {
+            Some(
+                new_mac(key).map_err(|len_bytes| SnapshotDecodeError::MacKeyTooShort {
+                    len_bytes,
+                    min_bytes: MAC_KEY_MIN_BYTES,
+                })?,
+            )
+        }
+        None => None,
+    };
+    if mac.is_some() && !has_mac {
+        return Err(SnapshotDecodeError::MacMissing);
+    }
+    Ok(Envelope {
+        version,
+        compression,
+        has_mac,
+        mac,
+    })
 }
 
 /// Hands body bytes to the compressor in chunks while hashing them for the trailing checksum.
@@ -520,15 +549,24 @@ pub(crate) fn decode_body(
     if stored != computed {
         return Err(SnapshotDecodeError::ChecksumMismatch { stored, computed });
     }
-    decode_fields(content, limits, version)
+    let mut r = Reader::new(content);
+    let snapshot = decode_fields(&mut r, limits, version)?;
+    if r.remaining() != 0 {
+        return Err(SnapshotDecodeError::TrailingBytes {
+            trailing_bytes: r.remaining(),
+        });
+    }
+    Ok(snapshot)
 }
 
-fn decode_fields(
-    content: &[u8],
+/// Parses the body's fields, up to (not including) the checksum, from either source: a whole
+/// body ([`decode_body`]) or a stream ([`crate::stream`]). What follows the last field is the
+/// caller's to judge.
+pub(crate) fn decode_fields<S: FieldSource>(
+    r: &mut S,
     limits: &DecodeLimits,
     version: u8,
 ) -> Result<IndexSnapshot, SnapshotDecodeError> {
-    let mut r = Reader::new(content);
     let format = r.varint_u32("format")?;
     let hash_scheme = r.string("hash_scheme", HASH_SCHEME_MAX_BYTES)?;
     let block_size = r.varint_u32("block_size")?;
@@ -610,8 +648,8 @@ fn decode_fields(
             });
         }
     }
-    let hash_bytes = r.bytes(node_count * 8, "content hashes")?;
-    let content_hash: Vec<u64> = hash_bytes.chunks_exact(8).map(le_u64).collect();
+    let mut content_hash: Vec<u64> = Vec::with_capacity(node_count);
+    r.extend_u64_le(node_count, "content hashes", &mut content_hash)?;
 
     // Shapes fix every node's carrier count, so the carrier columns can then be allocated at
     // their exact, already-limit-checked size.
@@ -705,14 +743,8 @@ fn decode_fields(
             let hash = r.u64_le("engine hashes")?;
             carrier_engine_hash.resize(carrier_engine_hash.len() + range.len(), hash);
         } else {
-            let raw = r.bytes(range.len() * 8, "engine hashes")?;
-            carrier_engine_hash.extend(raw.chunks_exact(8).map(le_u64));
+            r.extend_u64_le(range.len(), "engine hashes", &mut carrier_engine_hash)?;
         }
-    }
-    if r.remaining() != 0 {
-        return Err(SnapshotDecodeError::TrailingBytes {
-            trailing_bytes: r.remaining(),
-        });
     }
 
     Ok(IndexSnapshot {
@@ -733,13 +765,6 @@ fn decode_fields(
             carrier_engine_hash,
         },
     })
-}
-
-#[inline]
-fn le_u64(chunk: &[u8]) -> u64 {
-    let mut word = [0u8; 8];
-    word.copy_from_slice(chunk);
-    u64::from_le_bytes(word)
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ pub mod compress;
 pub mod error;
 pub mod json;
 pub mod limits;
+pub mod stream;
 mod varint;
 
 pub use binary::{
@@ -33,3 +34,4 @@ pub use compress::{CompressingWriter, Compression, decompress_bounded, read_boun
 pub use error::{SnapshotDecodeError, SnapshotEncodeError};
 pub use json::{JSON_CONTENT_TYPE, decode_json, encode_json, encode_json_to_vec};
 pub use limits::DecodeLimits;
+pub use stream::{STREAM_READ_CHUNK_BYTES, decode_binary_stream};

@@ -28,54 +28,32 @@ pub(crate) fn unzigzag(value: u64) -> i64 {
     ((value >> 1) as i64) ^ -((value & 1) as i64)
 }
 
-pub(crate) struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
+/// What the body's field parser reads from: a whole body in memory ([`Reader`]) or one arriving
+/// as a stream ([`crate::stream`]'s source). One parser serves both, so a streamed decode can
+/// never accept a body the in-memory decode refuses, or the other way round.
+pub(crate) trait FieldSource {
+    fn u8(&mut self, field: &'static str) -> Result<u8, SnapshotDecodeError>;
 
-impl<'a> Reader<'a> {
-    pub(crate) fn new(buf: &'a [u8]) -> Self {
-        Reader { buf, pos: 0 }
-    }
+    fn u64_le(&mut self, field: &'static str) -> Result<u64, SnapshotDecodeError>;
 
-    pub(crate) fn remaining(&self) -> usize {
-        self.buf.len() - self.pos
-    }
-
-    #[inline]
-    pub(crate) fn u8(&mut self, field: &'static str) -> Result<u8, SnapshotDecodeError> {
-        let byte = *self
-            .buf
-            .get(self.pos)
-            .ok_or(SnapshotDecodeError::Truncated { field })?;
-        self.pos += 1;
-        Ok(byte)
-    }
-
-    #[inline]
-    pub(crate) fn bytes(
+    /// Appends `count` little-endian u64s to `out`.
+    fn extend_u64_le(
         &mut self,
-        len: usize,
+        count: usize,
         field: &'static str,
-    ) -> Result<&'a [u8], SnapshotDecodeError> {
-        if len > self.remaining() {
-            return Err(SnapshotDecodeError::Truncated { field });
-        }
-        let out = &self.buf[self.pos..self.pos + len];
-        self.pos += len;
-        Ok(out)
-    }
+        out: &mut Vec<u64>,
+    ) -> Result<(), SnapshotDecodeError>;
+
+    /// `len` raw bytes (only ever called with a length already bounded by a limit).
+    fn byte_vec(&mut self, len: usize, field: &'static str)
+    -> Result<Vec<u8>, SnapshotDecodeError>;
+
+    /// An upper bound on the body bytes still to come: what is left of a whole body, or of the
+    /// decoded-size budget of a stream.
+    fn room_bytes(&self) -> usize;
 
     #[inline]
-    pub(crate) fn u64_le(&mut self, field: &'static str) -> Result<u64, SnapshotDecodeError> {
-        let raw = self.bytes(8, field)?;
-        let mut word = [0u8; 8];
-        word.copy_from_slice(raw);
-        Ok(u64::from_le_bytes(word))
-    }
-
-    #[inline]
-    pub(crate) fn varint(&mut self, field: &'static str) -> Result<u64, SnapshotDecodeError> {
+    fn varint(&mut self, field: &'static str) -> Result<u64, SnapshotDecodeError> {
         let mut value = 0u64;
         for index in 0..VARINT_MAX_BYTES {
             let byte = self.u8(field)?;
@@ -93,15 +71,15 @@ impl<'a> Reader<'a> {
 
     /// A varint that must fit a u32 (rank indices, dp ranks, block size, format).
     #[inline]
-    pub(crate) fn varint_u32(&mut self, field: &'static str) -> Result<u32, SnapshotDecodeError> {
+    fn varint_u32(&mut self, field: &'static str) -> Result<u32, SnapshotDecodeError> {
         let value = self.varint(field)?;
         u32::try_from(value).map_err(|_| SnapshotDecodeError::OutOfRange { field, value })
     }
 
     /// A count that must not exceed `limit`, nor what the remaining bytes could possibly hold
     /// at `min_bytes_each` bytes per entry: the second bound keeps preallocation proportional to
-    /// the input actually received.
-    pub(crate) fn count(
+    /// the input actually received (for a stream, to its decoded-size budget).
+    fn count(
         &mut self,
         field: &'static str,
         limit: usize,
@@ -116,24 +94,101 @@ impl<'a> Reader<'a> {
             });
         }
         let count = count as usize;
-        if min_bytes_each > 0 && count > self.remaining() / min_bytes_each {
+        if min_bytes_each > 0 && count > self.room_bytes() / min_bytes_each {
             return Err(SnapshotDecodeError::Truncated { field });
         }
         Ok(count)
     }
 
     /// A length-prefixed UTF-8 string of at most `max_bytes`.
-    pub(crate) fn string(
+    fn string(
         &mut self,
         field: &'static str,
         max_bytes: usize,
     ) -> Result<String, SnapshotDecodeError> {
         let len = self.count(field, max_bytes, 1)?;
-        let raw = self.bytes(len, field)?;
-        std::str::from_utf8(raw)
-            .map(str::to_owned)
-            .map_err(|_| SnapshotDecodeError::BadUtf8 { field })
+        let raw = self.byte_vec(len, field)?;
+        String::from_utf8(raw).map_err(|_| SnapshotDecodeError::BadUtf8 { field })
     }
+}
+
+/// A [`FieldSource`] over a whole body in memory.
+pub(crate) struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, pos: 0 }
+    }
+
+    pub(crate) fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
+
+    #[inline]
+    fn bytes(&mut self, len: usize, field: &'static str) -> Result<&'a [u8], SnapshotDecodeError> {
+        if len > self.remaining() {
+            return Err(SnapshotDecodeError::Truncated { field });
+        }
+        let out = &self.buf[self.pos..self.pos + len];
+        self.pos += len;
+        Ok(out)
+    }
+}
+
+impl FieldSource for Reader<'_> {
+    #[inline]
+    fn u8(&mut self, field: &'static str) -> Result<u8, SnapshotDecodeError> {
+        let byte = *self
+            .buf
+            .get(self.pos)
+            .ok_or(SnapshotDecodeError::Truncated { field })?;
+        self.pos += 1;
+        Ok(byte)
+    }
+
+    #[inline]
+    fn u64_le(&mut self, field: &'static str) -> Result<u64, SnapshotDecodeError> {
+        let raw = self.bytes(8, field)?;
+        let mut word = [0u8; 8];
+        word.copy_from_slice(raw);
+        Ok(u64::from_le_bytes(word))
+    }
+
+    fn extend_u64_le(
+        &mut self,
+        count: usize,
+        field: &'static str,
+        out: &mut Vec<u64>,
+    ) -> Result<(), SnapshotDecodeError> {
+        let len = count
+            .checked_mul(8)
+            .ok_or(SnapshotDecodeError::Truncated { field })?;
+        let raw = self.bytes(len, field)?;
+        out.extend(raw.chunks_exact(8).map(le_u64));
+        Ok(())
+    }
+
+    fn byte_vec(
+        &mut self,
+        len: usize,
+        field: &'static str,
+    ) -> Result<Vec<u8>, SnapshotDecodeError> {
+        Ok(self.bytes(len, field)?.to_vec())
+    }
+
+    fn room_bytes(&self) -> usize {
+        self.remaining()
+    }
+}
+
+#[inline]
+pub(crate) fn le_u64(chunk: &[u8]) -> u64 {
+    let mut word = [0u8; 8];
+    word.copy_from_slice(chunk);
+    u64::from_le_bytes(word)
 }
 
 #[cfg(test)]

@@ -49,7 +49,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::control::readiness::ReadinessGate;
-use crate::peer::fetch::{PeerFetcher, SnapshotAnswer};
+use crate::peer::fetch::{BodyReader, PeerFetcher, SnapshotHead, StreamedAnswer};
 
 /// Default `--kv-bootstrap-timeout-ms`: how long the whole search for a warm sibling may take.
 /// The shipped Deployment's readiness probe tolerates 60 s of 503s (period 2 s x
@@ -697,41 +697,56 @@ impl Task {
         let stages = self.metrics.stage_seconds.clone();
         tokio::spawn(async move {
             let fetch_started = Instant::now();
+            let decode_inputs = (
+                fetcher.config().auth_token.clone(),
+                fetcher.config().max_bytes,
+            );
+            let vet_plane = plane.clone();
+            let vet_model = model.clone();
             let answer = fetcher
-                .fetch_snapshot_answer(
+                .fetch_snapshot_streamed(
                     order.peer.as_str(),
                     Some(&model),
                     Some(order.max_age_ms),
                     Some(order.timeout_ms),
+                    move |head, body| {
+                        vet_streamed_body(decode_inputs, &vet_plane, &vet_model, head, body)
+                    },
                 )
                 .await;
             let received_ms = elapsed_ms(started);
             let result = match answer {
-                SnapshotAnswer::Response(resp) => {
-                    let stamp = ExportStamp {
-                        received_ms,
-                        age_ms: resp.age_ms,
-                    };
+                StreamedAnswer::Consumed {
+                    value: vetted,
+                    head,
+                    body_done,
+                } => {
+                    // "fetch" ends with the body's last byte, "vet" is what the decode and the
+                    // checks took after it (most of their work overlapped the transfer).
                     stages
                         .with_label_values(&["fetch"])
-                        .observe(fetch_started.elapsed().as_secs_f64());
-                    let vet_started = Instant::now();
-                    let vetted = vet_response(&fetcher, &plane, &model, resp).await;
+                        .observe(body_done.duration_since(fetch_started).as_secs_f64());
                     stages
                         .with_label_values(&["vet"])
-                        .observe(vet_started.elapsed().as_secs_f64());
-                    FetchResult::Body { vetted, stamp }
+                        .observe(body_done.elapsed().as_secs_f64());
+                    FetchResult::Body {
+                        vetted,
+                        stamp: ExportStamp {
+                            received_ms,
+                            age_ms: head.age_ms,
+                        },
+                    }
                 }
-                SnapshotAnswer::NoSnapshot => FetchResult::NoSnapshot,
-                SnapshotAnswer::Busy => FetchResult::Busy,
-                SnapshotAnswer::TooLarge { limit_bytes } => FetchResult::Body {
+                StreamedAnswer::NoSnapshot => FetchResult::NoSnapshot,
+                StreamedAnswer::Busy => FetchResult::Busy,
+                StreamedAnswer::TooLarge { limit_bytes } => FetchResult::Body {
                     vetted: Err(Rejection::TooLarge { limit_bytes }),
                     stamp: ExportStamp {
                         received_ms,
                         age_ms: None,
                     },
                 },
-                SnapshotAnswer::Unreachable(reason) => FetchResult::Unreachable { reason },
+                StreamedAnswer::Unreachable(reason) => FetchResult::Unreachable { reason },
             };
             let _ = results.send((model, order, result)).await;
         });
@@ -839,15 +854,24 @@ fn asks_the_engine_first(outcome: Outcome) -> bool {
     )
 }
 
-/// Vets a sibling's answer against this replica's live ranks of `model`, on the blocking pool.
-async fn vet_response(
-    fetcher: &PeerFetcher,
+/// Decodes a sibling's body while it arrives, then vets it against this replica's live ranks of
+/// `model` as they are once the body is in (runs on the blocking pool, fed by the fetch). The
+/// live set is read only then, not when the fetch starts: ranks keep registering while a large
+/// body is on the wire, and one read too early would leave them out of this graft.
+fn vet_streamed_body(
+    (mac_key, max_bytes): (Option<Arc<[u8]>>, usize),
     plane: &KvPlane,
     model: &str,
-    resp: crate::peer::fetch::SnapshotResponse,
+    head: SnapshotHead,
+    body: BodyReader,
 ) -> Result<kvroute_bootstrap::VettedSnapshot, Rejection> {
     let encoding =
-        BodyEncoding::from_headers(Some(&resp.content_type), resp.content_encoding.as_deref())?;
+        BodyEncoding::from_headers(Some(&head.content_type), head.content_encoding.as_deref())?;
+    let limits = DecodeLimits {
+        max_bytes,
+        ..DecodeLimits::default()
+    };
+    let snapshot = kvroute_bootstrap::decode_stream(body, encoding, &limits, mac_key.as_deref())?;
     let Some(view) = plane.model_view(model) else {
         return Err(Rejection::CoversNothing);
     };
@@ -857,26 +881,15 @@ async fn vet_response(
         .into_iter()
         .map(|(id, r)| (r, id))
         .collect();
-    let block_size = view.block_size;
-    let mac_key = fetcher.config().auth_token.clone();
-    let max_bytes = fetcher.config().max_bytes;
-    let vetted = tokio::task::spawn_blocking(move || {
-        kvroute_bootstrap::vet(
-            &resp.bytes,
-            encoding,
-            &Expectations {
-                block_size,
-                live: &live,
-                mac_key: mac_key.as_deref(),
-                limits: DecodeLimits {
-                    max_bytes,
-                    ..DecodeLimits::default()
-                },
-            },
-        )
-    })
-    .await;
-    vetted.unwrap_or(Err(Rejection::CoversNothing))
+    kvroute_bootstrap::vet_decoded(
+        snapshot,
+        &Expectations {
+            block_size: view.block_size,
+            live: &live,
+            mac_key: mac_key.as_deref(),
+            limits,
+        },
+    )
 }
 
 /// The highest cursor any sibling reports for `key`'s rank (`None` when none names it): the

@@ -12,17 +12,24 @@
 //! * the bearer token is sent when configured, and the same bytes verify the binary snapshot's
 //!   HMAC: a body signed with another key is [`FetchOutcome::MacRefused`].
 //!
-//! Two ways in: [`PeerFetcher::fetch_snapshot`] decodes (the component tests compare what it
-//! returns with the producer's index), and [`PeerFetcher::fetch_snapshot_answer`] hands the raw
-//! bytes and headers to the bootstrap sweep, which vets them with `kvroute_bootstrap::vet`: the
-//! only path from a sibling's bytes to a graft.
+//! Three ways in: [`PeerFetcher::fetch_snapshot`] decodes (the component tests compare what it
+//! returns with the producer's index); [`PeerFetcher::fetch_snapshot_answer`] hands the raw bytes
+//! and headers over whole; and [`PeerFetcher::fetch_snapshot_streamed`], the bootstrap sweep's
+//! path, hands the body to a consumer on the blocking pool AS IT ARRIVES (the sweep's consumer is
+//! `kvroute_bootstrap::vet_stream`, the only path from a sibling's bytes to a graft). Streaming is
+//! what lets a 1,024-rank snapshot be decoded while it is still on the wire and never be held
+//! whole: at most [`FETCH_BODY_CHUNKS_IN_FLIGHT_MAX`] chunks wait between the socket and the
+//! decoder, and a fault on the wire reaches the decoder as a read error, never as a clean end.
 //!
 //! It always asks for the compact binary (`Accept: application/x-kvroute-snapshot`) with
 //! `Accept-Encoding: zstd, gzip`; it still decodes JSON if a sibling answers with it. Decoding
 //! runs on the blocking pool: a large snapshot takes tens of milliseconds of CPU.
 
+use std::io::Read;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes};
 
 use kvroute_snapshot::{
     BINARY_CONTENT_TYPE, Compression, DecodeLimits, SnapshotDecodeError, decode_binary,
@@ -30,6 +37,7 @@ use kvroute_snapshot::{
 };
 use kvroute_wire::snapshot::IndexSnapshot;
 use reqwest::header;
+use tokio::sync::mpsc;
 
 use crate::peer::producer::CursorTable;
 use crate::peer::protocol::{KV_CURSORS_PATH, KV_SNAPSHOT_PATH, SNAPSHOT_AGE_HEADER};
@@ -40,6 +48,9 @@ pub const FETCH_CONNECT_TIMEOUT_MS: u64 = 1_000;
 pub const FETCH_READ_TIMEOUT_MS: u64 = 5_000;
 /// Default budget of one whole fetch, body included.
 pub const FETCH_TOTAL_TIMEOUT_MS: u64 = 30_000;
+/// Body chunks (as the socket delivers them, typically 16-64 KiB) waiting between a streamed
+/// fetch and its consumer; when the consumer falls behind, the fetch stops reading the socket.
+pub const FETCH_BODY_CHUNKS_IN_FLIGHT_MAX: usize = 64;
 /// Largest cursor table accepted (it is a few dozen bytes per rank).
 pub const CURSOR_TABLE_MAX_BYTES: usize = 4 * 1024 * 1024;
 
@@ -136,6 +147,69 @@ pub enum SnapshotAnswer {
     TooLarge { limit_bytes: usize },
     /// Connect failure, timeout, broken body, or any other status.
     Unreachable(String),
+}
+
+/// A snapshot request that got no 200, in the sweep's terms.
+enum NotServed {
+    NoSnapshot,
+    Busy,
+    Unreachable(String),
+}
+
+/// The headers of a 200 snapshot answer, handed to a streamed fetch's consumer with the body.
+#[derive(Debug, Clone)]
+pub struct SnapshotHead {
+    pub content_type: String,
+    pub content_encoding: Option<String>,
+    /// As in [`SnapshotResponse::age_ms`].
+    pub age_ms: Option<u64>,
+}
+
+/// How a streamed snapshot fetch ended: [`SnapshotAnswer`] with the consumer's verdict in place
+/// of the bytes.
+#[derive(Debug)]
+pub enum StreamedAnswer<T> {
+    /// A 200 whose whole body reached the consumer (or the consumer stopped reading early, having
+    /// decided): its verdict, the headers, and when the last byte was received.
+    Consumed {
+        value: T,
+        head: SnapshotHead,
+        body_done: Instant,
+    },
+    NoSnapshot,
+    Busy,
+    /// The body passed the byte limit on the wire (Content-Length or counted chunks).
+    TooLarge {
+        limit_bytes: usize,
+    },
+    /// Connect failure, timeout, broken body, any other status, or a consumer that panicked.
+    Unreachable(String),
+}
+
+/// A 200's body as its consumer reads it on the blocking pool: the chunks the fetch forwards, a
+/// fault on the wire as a read error, the end of the body as end of file. Dropping the fetch
+/// (its task cancelled) also ends the file, early; the consumer then sees a short body.
+pub struct BodyReader {
+    chunks: mpsc::Receiver<Result<Bytes, String>>,
+    current: Bytes,
+}
+
+impl Read for BodyReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            if !self.current.is_empty() {
+                let n = self.current.len().min(out.len());
+                out[..n].copy_from_slice(&self.current[..n]);
+                self.current.advance(n);
+                return Ok(n);
+            }
+            match self.chunks.blocking_recv() {
+                Some(Ok(chunk)) => self.current = chunk,
+                Some(Err(fault)) => return Err(std::io::Error::other(fault)),
+                None => return Ok(0),
+            }
+        }
+    }
 }
 
 /// Bytes of a refusal's JSON body read to learn its error code.
@@ -249,6 +323,36 @@ impl PeerFetcher {
         max_age_ms: Option<u64>,
         timeout_ms: Option<u64>,
     ) -> SnapshotAnswer {
+        let (url, resp) = match self
+            .snapshot_request(base_url, model, max_age_ms, timeout_ms)
+            .await
+        {
+            Ok(ok) => ok,
+            Err(NotServed::NoSnapshot) => return SnapshotAnswer::NoSnapshot,
+            Err(NotServed::Busy) => return SnapshotAnswer::Busy,
+            Err(NotServed::Unreachable(reason)) => return SnapshotAnswer::Unreachable(reason),
+        };
+        match read_body::<()>(&url, resp, self.cfg.max_bytes).await {
+            Ok(raw) => SnapshotAnswer::Response(SnapshotResponse {
+                bytes: raw.bytes,
+                content_type: raw.content_type,
+                content_encoding: raw.content_encoding,
+                age_ms: raw.age_ms,
+            }),
+            Err(FetchOutcome::TooLarge { limit_bytes }) => SnapshotAnswer::TooLarge { limit_bytes },
+            Err(other) => SnapshotAnswer::Unreachable(format!("{url}: {other:?}")),
+        }
+    }
+
+    /// Sends the snapshot request; a 200 comes back with its response, anything else as what it
+    /// means to the sweep.
+    async fn snapshot_request(
+        &self,
+        base_url: &str,
+        model: Option<&str>,
+        max_age_ms: Option<u64>,
+        timeout_ms: Option<u64>,
+    ) -> Result<(reqwest::Url, reqwest::Response), NotServed> {
         let mut query: Vec<(&str, String)> = Vec::new();
         if let Some(m) = model {
             query.push(("model", m.to_string()));
@@ -256,7 +360,7 @@ impl PeerFetcher {
         if let Some(a) = max_age_ms {
             query.push(("max_age_ms", a.to_string()));
         }
-        let (url, resp) = match self
+        let (url, resp) = self
             .send(
                 base_url,
                 KV_SNAPSHOT_PATH,
@@ -265,34 +369,115 @@ impl PeerFetcher {
                 timeout_ms,
             )
             .await
-        {
-            Ok(sent) => sent,
-            Err(reason) => return SnapshotAnswer::Unreachable(reason),
-        };
+            .map_err(NotServed::Unreachable)?;
         match resp.status().as_u16() {
-            200 => match read_body::<()>(&url, resp, self.cfg.max_bytes).await {
-                Ok(raw) => SnapshotAnswer::Response(SnapshotResponse {
-                    bytes: raw.bytes,
-                    content_type: raw.content_type,
-                    content_encoding: raw.content_encoding,
-                    age_ms: raw.age_ms,
-                }),
-                Err(FetchOutcome::TooLarge { limit_bytes }) => {
-                    SnapshotAnswer::TooLarge { limit_bytes }
-                }
-                Err(other) => SnapshotAnswer::Unreachable(format!("{url}: {other:?}")),
-            },
-            404 => SnapshotAnswer::NoSnapshot,
-            429 => SnapshotAnswer::Busy,
-            503 => match refusal_code(resp).await.as_deref() {
-                Some("index_not_ready") => SnapshotAnswer::NoSnapshot,
-                Some("busy") => SnapshotAnswer::Busy,
-                code => SnapshotAnswer::Unreachable(format!(
+            200 => Ok((url, resp)),
+            404 => Err(NotServed::NoSnapshot),
+            429 => Err(NotServed::Busy),
+            503 => Err(match refusal_code(resp).await.as_deref() {
+                Some("index_not_ready") => NotServed::NoSnapshot,
+                Some("busy") => NotServed::Busy,
+                code => NotServed::Unreachable(format!(
                     "{url}: 503 {}",
                     code.unwrap_or("without an error code")
                 )),
+            }),
+            status => Err(NotServed::Unreachable(format!("{url}: status {status}"))),
+        }
+    }
+
+    /// `GET {base}/internal/kv_snapshot` for the bootstrap sweep, with the body handed to
+    /// `consume` on the blocking pool as it arrives (see the module doc). `consume` gets the
+    /// headers first and may return before reading everything; the fetch then stops reading. A
+    /// fault on the wire (timeout, reset, the byte limit passed) is reported as such whatever the
+    /// consumer concluded from the short body it saw.
+    pub async fn fetch_snapshot_streamed<T, F>(
+        &self,
+        base_url: &str,
+        model: Option<&str>,
+        max_age_ms: Option<u64>,
+        timeout_ms: Option<u64>,
+        consume: F,
+    ) -> StreamedAnswer<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(SnapshotHead, BodyReader) -> T + Send + 'static,
+    {
+        let (url, mut resp) = match self
+            .snapshot_request(base_url, model, max_age_ms, timeout_ms)
+            .await
+        {
+            Ok(ok) => ok,
+            Err(NotServed::NoSnapshot) => return StreamedAnswer::NoSnapshot,
+            Err(NotServed::Busy) => return StreamedAnswer::Busy,
+            Err(NotServed::Unreachable(reason)) => return StreamedAnswer::Unreachable(reason),
+        };
+        let max_bytes = self.cfg.max_bytes;
+        if resp
+            .content_length()
+            .is_some_and(|len| len > max_bytes as u64)
+        {
+            return StreamedAnswer::TooLarge {
+                limit_bytes: max_bytes,
+            };
+        }
+        let head = snapshot_head(&resp);
+        let (chunks_tx, chunks_rx) = mpsc::channel(FETCH_BODY_CHUNKS_IN_FLIGHT_MAX);
+        let consumer = tokio::task::spawn_blocking({
+            let head = head.clone();
+            move || {
+                consume(
+                    head,
+                    BodyReader {
+                        chunks: chunks_rx,
+                        current: Bytes::new(),
+                    },
+                )
+            }
+        });
+        let mut received_bytes = 0usize;
+        let fault = loop {
+            match resp.chunk().await {
+                Ok(Some(chunk)) => {
+                    received_bytes = received_bytes.saturating_add(chunk.len());
+                    if received_bytes > max_bytes {
+                        break Some(StreamedAnswer::TooLarge {
+                            limit_bytes: max_bytes,
+                        });
+                    }
+                    if chunks_tx.send(Ok(chunk)).await.is_err() {
+                        // The consumer has decided and stopped reading.
+                        break None;
+                    }
+                }
+                Ok(None) => break None,
+                Err(e) => break Some(StreamedAnswer::Unreachable(format!("{url}: body: {e}"))),
+            }
+        };
+        let body_done = Instant::now();
+        if let Some(fault) = &fault {
+            // A read error, never a clean end of file: a cut body must not look complete.
+            let reason = match fault {
+                StreamedAnswer::TooLarge { limit_bytes } => {
+                    format!("the body passed {limit_bytes} bytes")
+                }
+                StreamedAnswer::Unreachable(reason) => reason.clone(),
+                _ => "the fetch failed".to_string(),
+            };
+            let _ = chunks_tx.send(Err(reason)).await;
+        }
+        drop(chunks_tx);
+        let verdict = consumer.await;
+        match (fault, verdict) {
+            (Some(fault), _) => fault,
+            (None, Ok(value)) => StreamedAnswer::Consumed {
+                value,
+                head,
+                body_done,
             },
-            status => SnapshotAnswer::Unreachable(format!("{url}: status {status}")),
+            (None, Err(e)) => {
+                StreamedAnswer::Unreachable(format!("{url}: the body's consumer failed: {e}"))
+            }
         }
     }
 
@@ -361,15 +546,11 @@ async fn read_body<T>(
             limit_bytes: max_bytes,
         });
     }
-    let header_str = |name: &str| {
-        resp.headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(|v| v.trim().to_ascii_lowercase())
-    };
-    let content_type = header_str(header::CONTENT_TYPE.as_str()).unwrap_or_default();
-    let content_encoding = header_str(header::CONTENT_ENCODING.as_str());
-    let age_ms = header_str(SNAPSHOT_AGE_HEADER).and_then(|v| v.parse().ok());
+    let SnapshotHead {
+        content_type,
+        content_encoding,
+        age_ms,
+    } = snapshot_head(&resp);
     let mut bytes = Vec::new();
     loop {
         match resp.chunk().await {
@@ -391,6 +572,21 @@ async fn read_body<T>(
         content_encoding,
         age_ms,
     })
+}
+
+/// The headers a snapshot's reader needs, normalised (trimmed, lower case).
+fn snapshot_head(resp: &reqwest::Response) -> SnapshotHead {
+    let header_str = |name: &str| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.trim().to_ascii_lowercase())
+    };
+    SnapshotHead {
+        content_type: header_str(header::CONTENT_TYPE.as_str()).unwrap_or_default(),
+        content_encoding: header_str(header::CONTENT_ENCODING.as_str()),
+        age_ms: header_str(SNAPSHOT_AGE_HEADER).and_then(|v| v.parse().ok()),
+    }
 }
 
 /// The `error.code` of a refusal's JSON body, read under [`REFUSAL_BODY_MAX_BYTES`].
