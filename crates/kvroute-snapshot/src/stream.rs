@@ -11,7 +11,10 @@
 //! byte; a stream's tag comes last, so here the MAC is verified at the end, and nothing decoded
 //! leaves this module before it verifies. Unauthenticated bytes can still make the decoder work,
 //! but only within the same [`DecodeLimits`] (input bytes, decoded bytes, counts) that bound any
-//! body, and they can never make it answer anything but [`SnapshotDecodeError::MacMismatch`]: when
+//! body. One bound is looser than in memory: a column is preallocated from its declared count,
+//! which a whole body caps by the bytes actually present, while a stream's length is unknown, so
+//! here the cap is the decoded-byte budget (reserved, not yet touched, memory). And such bytes
+//! can never make the decoder answer anything but [`SnapshotDecodeError::MacMismatch`]: when
 //! a keyed decode fails for any reason, the rest of the input is read (bounded) and the MAC judged
 //! first, so a forged body is reported as forged, exactly as the in-memory decode reports it.
 //!
