@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{OTHER_KEY, TEST_KEY, random_snapshot, random_snapshot_with_nodes};
+use common::{OTHER_KEY, TEST_KEY, gzip_envelope, random_snapshot, random_snapshot_with_nodes};
 use kvroute_snapshot::limits::MAC_KEY_MIN_BYTES;
 use kvroute_snapshot::{
     BINARY_MAGIC, BINARY_VERSION, Compression, DecodeLimits, EncodeOptions, SnapshotDecodeError,
@@ -12,7 +12,6 @@ use kvroute_snapshot::{
 };
 use kvroute_wire::snapshot::NO_PARENT;
 use proptest::prelude::*;
-use std::io::Write;
 
 fn small_limits() -> DecodeLimits {
     DecodeLimits {
@@ -348,12 +347,7 @@ fn zstd_bomb_stops_at_the_limit_while_inflating() {
 
 #[test]
 fn gzip_bomb_inside_an_envelope_is_refused_as_too_large() {
-    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    gz.write_all(&vec![0u8; 8 << 20]).unwrap();
-    let payload = gz.finish().unwrap();
-    let mut bytes = BINARY_MAGIC.to_vec();
-    bytes.extend_from_slice(&[BINARY_VERSION, Compression::Gzip.code()]);
-    bytes.extend_from_slice(&payload);
+    let bytes = gzip_envelope(&[&vec![0u8; 8 << 20]]);
     let limits = DecodeLimits {
         max_bytes: 1 << 20,
         ..DecodeLimits::default()

@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::{OTHER_KEY, TEST_KEY, random_snapshot, random_snapshot_with_nodes};
+use common::{
+    OTHER_KEY, TEST_KEY, compression_strategy, random_snapshot, random_snapshot_with_nodes,
+};
 use kvroute_snapshot::{
     BINARY_VERSION, BINARY_VERSION_PARTIAL, Compression, DecodeLimits, EncodeOptions,
     SnapshotDecodeError, decode_binary, decode_json, decompress_bounded, encode_binary,
@@ -12,10 +14,6 @@ use kvroute_snapshot::{
 use kvroute_wire::snapshot::IndexSnapshot;
 use proptest::prelude::*;
 use std::io::Write;
-
-fn compression_strategy() -> impl Strategy<Value = Compression> {
-    prop::sample::select(Compression::ALL.to_vec())
-}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(200))]

@@ -4,9 +4,9 @@
 
 mod common;
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 
-use common::{OTHER_KEY, TEST_KEY, random_snapshot};
+use common::{OTHER_KEY, TEST_KEY, compression_strategy, gzip_envelope, random_snapshot};
 use kvroute_snapshot::{
     BINARY_MAGIC, BINARY_VERSION, Compression, DecodeLimits, EncodeOptions, SnapshotDecodeError,
     decode_binary, decode_binary_stream, encode_binary_to_vec,
@@ -39,10 +39,6 @@ impl Read for Chunked<'_> {
         self.bytes = &self.bytes[n..];
         Ok(n)
     }
-}
-
-fn compression_strategy() -> impl Strategy<Value = Compression> {
-    prop::sample::select(Compression::ALL.to_vec())
 }
 
 proptest! {
@@ -160,13 +156,7 @@ fn an_endless_input_is_refused_at_the_input_limit_while_it_streams() {
 fn a_gzip_bomb_is_refused_while_it_inflates() {
     let snapshot = random_snapshot(3, 20, 2);
     let plain = encode_binary_to_vec(&snapshot, &EncodeOptions::default()).unwrap();
-    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    gz.write_all(&plain[6..]).unwrap();
-    gz.write_all(&vec![0u8; 8 << 20]).unwrap();
-    let payload = gz.finish().unwrap();
-    let mut bytes = BINARY_MAGIC.to_vec();
-    bytes.extend_from_slice(&[BINARY_VERSION, Compression::Gzip.code()]);
-    bytes.extend_from_slice(&payload);
+    let bytes = gzip_envelope(&[&plain[6..], &vec![0u8; 8 << 20]]);
     let limits = DecodeLimits {
         max_bytes: 1 << 20,
         ..DecodeLimits::default()

@@ -1,11 +1,16 @@
-//! Shared generator of random *valid* snapshots for the property tests.
+//! Shared by the snapshot crate's tests: a generator of random *valid* snapshots, the strategy
+//! over compressions, and an envelope builder for bodies the encoder would never write.
 //!
-//! Built from a seed with a tiny deterministic PRNG (rather than nested proptest strategies) so
+//! Snapshots are built from a seed with a tiny deterministic PRNG (rather than nested proptest strategies) so
 //! one `u64` reproduces a failing case, and biased towards the shapes the encoder special-cases:
 //! rank lists copied from the parent, engine hashes shared by all carriers, long tier runs.
 
 #![allow(dead_code)]
 
+use std::io::Write;
+
+use kvroute_snapshot::Compression;
+use kvroute_snapshot::binary::{BINARY_MAGIC, BINARY_VERSION};
 use kvroute_wire::snapshot::{
     IndexSnapshot, NO_PARENT, RankCursor, RankRef, SNAPSHOT_FORMAT, SnapshotNodes,
 };
@@ -139,4 +144,22 @@ fn finite_f64(rng: &mut SplitMix) -> f64 {
             return value;
         }
     }
+}
+
+/// Any compression the envelope can name.
+pub fn compression_strategy() -> impl proptest::strategy::Strategy<Value = Compression> {
+    proptest::sample::select(Compression::ALL.to_vec())
+}
+
+/// A binary envelope (magic, version, gzip) around the gzip of `parts`, in order: for bombs and
+/// other bodies the encoder would never write.
+pub fn gzip_envelope(parts: &[&[u8]]) -> Vec<u8> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    for part in parts {
+        gz.write_all(part).unwrap();
+    }
+    let mut bytes = BINARY_MAGIC.to_vec();
+    bytes.extend_from_slice(&[BINARY_VERSION, Compression::Gzip.code()]);
+    bytes.extend_from_slice(&gz.finish().unwrap());
+    bytes
 }
