@@ -9,7 +9,7 @@
 //! conversation blocks are unique) and reports:
 //! 1. the export end to end on one thread, split into walk (`export_snapshot`), binary encode
 //!    (uncompressed) and compression (binary+zstd minus binary), plus the service's own
-//!    `encode_variant` path, and the wire bytes per carried block of binary+zstd vs JSON;
+//!    `encode_variant_into` path, and the wire bytes per carried block of binary+zstd vs JSON;
 //! 2. `hash_token_blocks` + `match_prefix` latency percentiles on one thread with no export
 //!    running, then with another thread exporting and encoding (binary+zstd) in a loop, in the
 //!    same run, alternating phases so machine noise hits both. A "without" phase starts only
@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
-use kvroute::peer::producer::{SnapshotFormat, encode_variant};
+use kvroute::peer::producer::{SnapshotFormat, encode_variant_into};
 use kvroute_index::hash::{BASE_NAMESPACE, hash_token_blocks};
 use kvroute_index::{IndexConfig, IndexReader, PrefixIndex, PrefixMatch};
 use kvroute_snapshot::{Compression, EncodeOptions};
@@ -216,23 +216,25 @@ fn main() {
         zstd.push(t.elapsed().as_secs_f64());
         sizes.1 = c.0;
         let t = Instant::now();
-        let b = encode_variant(
+        let mut b = Vec::new();
+        encode_variant_into(
             &snap,
             SnapshotFormat::Binary,
             Compression::Zstd,
             None,
-            usize::MAX,
+            &mut b,
         )
         .unwrap();
         variant.push(t.elapsed().as_secs_f64());
         drop(b);
         let t = Instant::now();
-        let b = encode_variant(
+        let mut b = Vec::new();
+        encode_variant_into(
             &snap,
             SnapshotFormat::Binary,
             Compression::Zstd,
             Some(key),
-            usize::MAX,
+            &mut b,
         )
         .unwrap();
         variant_mac.push(t.elapsed().as_secs_f64());
@@ -261,7 +263,7 @@ fn main() {
         (walk + zstd) * 1e3
     );
     println!(
-        "service path encode_variant(binary, zstd) into Bytes: {:.0} ms, with HMAC {:.0} ms",
+        "service path encode_variant_into(binary, zstd), into memory: {:.0} ms, with HMAC {:.0} ms",
         median(variant) * 1e3,
         median(variant_mac) * 1e3
     );
@@ -295,12 +297,13 @@ fn main() {
                 if exporting.load(Relaxed) {
                     busy.store(true, Relaxed);
                     let snap = reader.export_snapshot();
-                    let b = encode_variant(
+                    let mut b = Vec::new();
+                    encode_variant_into(
                         &snap,
                         SnapshotFormat::Binary,
                         Compression::Zstd,
                         None,
-                        usize::MAX,
+                        &mut b,
                     )
                     .unwrap();
                     std::hint::black_box(b.len());

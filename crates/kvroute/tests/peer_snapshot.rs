@@ -525,7 +525,7 @@ async fn a_cached_export_is_reused_within_max_age_and_rebuilt_past_it() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_requests_share_one_build() {
+async fn concurrent_requests_share_one_build_and_one_encoding() {
     let (fleet, router, _) = warm_router(1, 2, 30, |_| {}).await;
     let base = router.internal_url();
     let f = fetcher(None);
@@ -537,6 +537,18 @@ async fn concurrent_requests_share_one_build() {
     let text = metrics_text(&router.url()).await;
     assert_eq!(metric(&text, "kvroute_snapshot_builds_total"), 1.0);
     assert_eq!(metric(&text, "kvroute_snapshot_cache_hits_total"), 7.0);
+    // The body is small: the other seven join the one encoding, running or kept whole.
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_snapshot_export_duration_seconds_count{stage=\"encode\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&text, "kvroute_snapshot_encodings_joined_total"),
+        7.0
+    );
     router.shutdown().await;
     fleet.shutdown().await;
 }
@@ -594,6 +606,60 @@ async fn an_export_over_the_byte_limit_is_refused_with_507() {
     assert!(
         text.contains("kvroute_snapshot_refused_total{reason=\"too_large\"} 2"),
         "{text}"
+    );
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// The limit is found only after the first chunk left, with the status line: the transfer is
+/// broken off (a client never takes the prefix for a body), and the export remembers the
+/// verdict, so the next request is a plain 507.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_passes_the_byte_limit_midway_is_broken_off_then_refused_with_507() {
+    use kvroute::peer::producer::SNAPSHOT_STREAM_CHUNK_BYTES;
+    let limit_bytes = SNAPSHOT_STREAM_CHUNK_BYTES + 1;
+    let (fleet, router, _) =
+        warm_router(2, 2, 300, |c| c.kv_snapshot_max_bytes = limit_bytes).await;
+    let url = format!(
+        "{}{KV_SNAPSHOT_PATH}?max_age_ms=60000",
+        router.internal_url()
+    );
+    // The cut can come before hyper flushed the status line (the request fails) or after (the
+    // body does); either way the client must not receive a clean end.
+    let first = client()
+        .get(&url)
+        .header("accept", "application/json")
+        .send()
+        .await;
+    match first {
+        Err(e) => assert!(e.is_request(), "{e:?}"),
+        Ok(resp) => {
+            assert_eq!(resp.status(), 200, "the first chunk fits the limit");
+            match resp.bytes().await {
+                Err(e) => assert!(e.is_body() || e.is_decode(), "{e:?}"),
+                Ok(body) => panic!(
+                    "a body past the limit must not end cleanly; got {} bytes whole",
+                    body.len()
+                ),
+            }
+        }
+    }
+    let again = raw_get(&url, Some("application/json"), None, None).await;
+    assert_eq!(again.status(), 507);
+    let text = metrics_text(&router.url()).await;
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_snapshot_streams_cut_total{reason=\"too_large\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_snapshot_refused_total{reason=\"too_large\"}"
+        ),
+        1.0
     );
     router.shutdown().await;
     fleet.shutdown().await;

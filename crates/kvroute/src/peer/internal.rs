@@ -26,7 +26,6 @@
 //! Unknown query parameters are ignored.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,7 +36,6 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use bytes::Bytes;
 use kvroute_snapshot::{BINARY_CONTENT_TYPE, Compression, JSON_CONTENT_TYPE};
 use serde_json::json;
 
@@ -95,8 +93,6 @@ pub fn read_token_file(path: &std::path::Path, flag: &str) -> Result<Arc<[u8]>, 
 pub use crate::peer::protocol::{
     KV_CURSORS_PATH, KV_SNAPSHOT_PATH, SNAPSHOT_AGE_HEADER, SNAPSHOT_COMPRESSION_HEADER,
 };
-/// Bytes per body chunk when streaming an encoded snapshot.
-pub const SNAPSHOT_STREAM_CHUNK_BYTES: usize = 256 * 1024;
 
 #[derive(Clone)]
 struct InternalState {
@@ -374,11 +370,13 @@ async fn kv_snapshot(
                 },
             )
             .await?;
-        let bytes = producer.encoded(&export, format, compression).await?;
-        Ok::<_, ProduceError>((export, bytes))
+        let body = producer
+            .stream_encoded(&export, format, compression)
+            .await?;
+        Ok::<_, ProduceError>((export, body))
     }
     .await;
-    let (export, bytes) = match produced {
+    let (export, body) = match produced {
         Ok(v) => v,
         Err(ProduceError::Busy) => {
             producer.metrics.refused.with_label_values(&["busy"]).inc();
@@ -413,12 +411,16 @@ async fn kv_snapshot(
         }
     };
     let compression_label = compression.content_encoding().unwrap_or("identity");
-    producer
+    let bytes_served = producer
         .metrics
         .bytes_served
-        .with_label_values(&[format.label(), compression_label])
-        .inc_by(bytes.len() as u64);
-    let mut resp = Response::new(stream_bytes(bytes.clone()));
+        .with_label_values(&[format.label(), compression_label]);
+    let body = futures::StreamExt::inspect(body.into_stream(), move |piece| {
+        if let Ok(chunk) = piece {
+            bytes_served.inc_by(chunk.len() as u64);
+        }
+    });
+    let mut resp = Response::new(Body::from_stream(body));
     let h = resp.headers_mut();
     h.insert(
         header::CONTENT_TYPE,
@@ -427,7 +429,6 @@ async fn kv_snapshot(
             SnapshotFormat::Json => JSON_CONTENT_TYPE,
         }),
     );
-    h.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
     h.insert(
         header::VARY,
         HeaderValue::from_static("accept, accept-encoding"),
@@ -451,17 +452,6 @@ async fn kv_snapshot(
         }
     }
     resp
-}
-
-/// Streams slices of one shared buffer: no copy, and the socket sees bounded writes.
-fn stream_bytes(bytes: Bytes) -> Body {
-    let len = bytes.len();
-    let chunks = (0..len)
-        .step_by(SNAPSHOT_STREAM_CHUNK_BYTES)
-        .map(move |start| {
-            Ok::<_, Infallible>(bytes.slice(start..len.min(start + SNAPSHOT_STREAM_CHUNK_BYTES)))
-        });
-    Body::from_stream(futures::stream::iter(chunks))
 }
 
 async fn kv_cursors(

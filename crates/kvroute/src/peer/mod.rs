@@ -8,6 +8,7 @@
 //! decisions of the bootstrap consumer (vetting, the sweep) are the pure `kvroute-bootstrap`
 //! crate, and holding, grafting and splice proofs happen in the KV plane's pump.
 
+pub mod body_tee;
 pub mod bootstrap;
 pub mod fetch;
 pub mod internal;

@@ -1,5 +1,5 @@
-//! The producer side of peer bootstrap: exports a model's index as a snapshot, caches it, and
-//! encodes it once per wire variant.
+//! The producer side of peer bootstrap: exports a model's index as a snapshot, caches the
+//! export, and streams an encoding of it to each requester.
 //!
 //! Consistency is the index's job: [`kvroute_index::IndexReader::export_snapshot`] reads every
 //! rank's cursor BEFORE walking the shards and claims that pre-walk cursor as the rank's
@@ -16,22 +16,23 @@
 //!   age measured from the request's arrival (waiting in a queue does not make data older in the
 //!   client's eyes, but a request never receives data sampled before `arrival - max_age`).
 //! * Single flight: concurrent requests that accept the same in-flight build join it instead of
-//!   starting their own. The build (and each encoding) runs in a detached task on the blocking
-//!   pool, so a client that gives up still leaves a finished export cached for the next one.
+//!   starting their own. The build runs in a detached task on the blocking pool, so a client
+//!   that gives up still leaves a finished export cached for the next one.
 //! * At most [`SNAPSHOT_CONCURRENT_EXPORTS_MAX`] walks or encodes run at once; a request that
 //!   would start one more is told to retry ([`ProduceError::Busy`] -> 503 + Retry-After).
 //!
-//! An export's encoded bytes are cached per (format, compression) as `Bytes`, so the HTTP layer
-//! streams slices of one buffer and encoding happens once per export per variant. Encoding writes
-//! through a byte-limited writer, so an export over `kv_snapshot_max_bytes` is refused as soon
-//! as the limit is passed, without buffering the rest.
+//! An export is encoded straight onto the socket, never into a buffer held whole, and one
+//! encoding serves every requester of the same variant that comes while it can still be
+//! joined from its first byte ([`crate::peer::body_tee`] has the rules). The status code waits
+//! for the first chunk: a refusal found before it (an export over `kv_snapshot_max_bytes`; every
+//! small body is found whole before it) is still a 507. One found later can only cut the body,
+//! and the export remembers the verdict, so the next request for it gets the 507 at once.
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
 use kvroute_index::IndexReader;
@@ -40,6 +41,12 @@ use kvroute_wire::snapshot::{IndexSnapshot, RankCursor, RankRef, SNAPSHOT_FORMAT
 use parking_lot::Mutex;
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts};
 use tokio::sync::Semaphore;
+
+use crate::peer::body_tee::{BodyCut, BodyTee, EncodedBody, TeeWriter};
+pub use crate::peer::body_tee::{
+    SNAPSHOT_STREAM_CHUNK_BYTES, SNAPSHOT_STREAM_CHUNKS_IN_FLIGHT_MAX,
+    SNAPSHOT_STREAM_JOIN_WINDOW_BYTES, SNAPSHOT_STREAM_STALL_MS_MAX,
+};
 
 /// Default `max_age_ms` of `GET /internal/kv_snapshot`: a cached export younger than this is
 /// served again instead of walking the index.
@@ -50,7 +57,6 @@ pub const PRODUCER_MAX_AGE_MS_MAX: u64 = 24 * 60 * 60 * 1000;
 pub const SNAPSHOT_CONCURRENT_EXPORTS_MAX: usize = 2;
 /// `Retry-After` sent with a 503 when every export slot is busy.
 pub const SNAPSHOT_BUSY_RETRY_AFTER_S: u64 = 1;
-
 /// Wire format of an encoded export.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SnapshotFormat {
@@ -80,6 +86,16 @@ pub enum ProduceError {
     Task(String),
 }
 
+impl From<BodyCut> for ProduceError {
+    fn from(cut: BodyCut) -> Self {
+        match cut {
+            BodyCut::TooLarge { limit_bytes } => ProduceError::TooLarge { limit_bytes },
+            BodyCut::Failed(reason) => ProduceError::Encode(reason),
+            BodyCut::Stalled { .. } | BodyCut::Gone => ProduceError::Task(cut.to_string()),
+        }
+    }
+}
+
 /// Metrics of the producer, registered on the router's registry.
 #[derive(Clone)]
 pub struct SnapshotMetrics {
@@ -88,6 +104,8 @@ pub struct SnapshotMetrics {
     pub bytes_served: IntCounterVec,
     pub export_seconds: HistogramVec,
     pub refused: IntCounterVec,
+    pub streams_cut: IntCounterVec,
+    pub encodings_joined: IntCounter,
     pub encoded_bytes: Histogram,
 }
 
@@ -111,7 +129,7 @@ impl SnapshotMetrics {
         let export_seconds = HistogramVec::new(
             HistogramOpts::new(
                 "kvroute_snapshot_export_duration_seconds",
-                "Time to walk the index (stage=walk) or encode one variant (stage=encode)",
+                "Time to walk the index (stage=walk), or to encode one body onto the socket, waiting on the client included (stage=encode)",
             )
             .buckets(vec![
                 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -125,10 +143,21 @@ impl SnapshotMetrics {
             ),
             &["reason"],
         )?;
+        let streams_cut = IntCounterVec::new(
+            Opts::new(
+                "kvroute_snapshot_streams_cut_total",
+                "Snapshot bodies cut after their first chunk (encodings cut by the limit or an error; readers dropped because they stalled or hung up), by reason",
+            ),
+            &["reason"],
+        )?;
+        let encodings_joined = IntCounter::new(
+            "kvroute_snapshot_encodings_joined_total",
+            "Snapshot requests served by joining an encoding already running (or kept whole)",
+        )?;
         let encoded_bytes = Histogram::with_opts(
             HistogramOpts::new(
                 "kvroute_snapshot_encoded_bytes",
-                "Size of each encoded snapshot variant",
+                "Size of each snapshot body encoded whole",
             )
             .buckets(prometheus::exponential_buckets(1024.0, 4.0, 12)?),
         )?;
@@ -137,6 +166,8 @@ impl SnapshotMetrics {
         registry.register(Box::new(bytes_served.clone()))?;
         registry.register(Box::new(export_seconds.clone()))?;
         registry.register(Box::new(refused.clone()))?;
+        registry.register(Box::new(streams_cut.clone()))?;
+        registry.register(Box::new(encodings_joined.clone()))?;
         registry.register(Box::new(encoded_bytes.clone()))?;
         Ok(SnapshotMetrics {
             builds,
@@ -144,20 +175,25 @@ impl SnapshotMetrics {
             bytes_served,
             export_seconds,
             refused,
+            streams_cut,
+            encodings_joined,
             encoded_bytes,
         })
     }
 }
 
 type VariantKey = (SnapshotFormat, Compression);
-type VariantCell = Arc<tokio::sync::OnceCell<Result<Bytes, ProduceError>>>;
 
 /// One export of one model's index, with its encodings as they are requested.
 pub struct Export {
     /// Taken before sampling started; the export's age is measured from here.
     pub stamp: Instant,
     pub snapshot: IndexSnapshot,
-    variants: Mutex<HashMap<VariantKey, VariantCell>>,
+    /// Variants whose encoding passed `kv_snapshot_max_bytes`: refused at once from then on.
+    too_large: Mutex<HashSet<VariantKey>>,
+    /// The newest encoding of each variant, joined while it can still give a body from its
+    /// first byte.
+    encodings: Mutex<HashMap<VariantKey, Arc<BodyTee>>>,
 }
 
 impl Export {
@@ -165,7 +201,8 @@ impl Export {
         Export {
             stamp,
             snapshot,
-            variants: Mutex::new(HashMap::new()),
+            too_large: Mutex::new(HashSet::new()),
+            encodings: Mutex::new(HashMap::new()),
         }
     }
 
@@ -175,70 +212,35 @@ impl Export {
     }
 }
 
-/// Encodes `snapshot` as `format`/`compression`, refusing once more than `max_bytes` come out.
-/// The binary format compresses inside its envelope (so its HMAC is checked before any
-/// decompression); JSON is compressed as a whole, for `Content-Encoding`.
-pub fn encode_variant(
+/// Writes `snapshot` as `format`/`compression` into `out`. The binary format compresses inside
+/// its envelope (so its HMAC, made with `mac_key`, is checked before any decompression); JSON
+/// is compressed as a whole, for `Content-Encoding`, and never signed.
+pub fn encode_variant_into<W: Write>(
     snapshot: &IndexSnapshot,
     format: SnapshotFormat,
     compression: Compression,
     mac_key: Option<&[u8]>,
-    max_bytes: usize,
-) -> Result<Bytes, ProduceError> {
-    let mut out = LimitedWriter {
-        buf: Vec::new(),
-        max_bytes,
-        exceeded: false,
-    };
-    let result = match format {
+    out: &mut W,
+) -> Result<(), kvroute_snapshot::SnapshotEncodeError> {
+    match format {
         SnapshotFormat::Binary => kvroute_snapshot::encode_binary(
             snapshot,
             &EncodeOptions {
                 compression,
                 mac_key,
             },
-            &mut out,
+            out,
         )
         .map(|_| ()),
-        SnapshotFormat::Json => (|| {
+        SnapshotFormat::Json => {
             let mut w = kvroute_snapshot::CompressingWriter::new(
-                std::io::BufWriter::with_capacity(
-                    kvroute_snapshot::binary::BODY_CHUNK_BYTES,
-                    &mut out,
-                ),
+                std::io::BufWriter::with_capacity(kvroute_snapshot::binary::BODY_CHUNK_BYTES, out),
                 compression,
             )?;
             kvroute_snapshot::encode_json(snapshot, &mut w)?;
             w.finish()?.flush()?;
-            Ok::<_, kvroute_snapshot::SnapshotEncodeError>(())
-        })(),
-    };
-    if out.exceeded {
-        return Err(ProduceError::TooLarge {
-            limit_bytes: max_bytes,
-        });
-    }
-    result.map_err(|e| ProduceError::Encode(e.to_string()))?;
-    Ok(Bytes::from(out.buf))
-}
-
-struct LimitedWriter {
-    buf: Vec<u8>,
-    max_bytes: usize,
-    exceeded: bool,
-}
-
-impl Write for LimitedWriter {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        if self.buf.len().saturating_add(data.len()) > self.max_bytes {
-            self.exceeded = true;
-            return Err(std::io::Error::other("snapshot byte limit exceeded"));
+            Ok(())
         }
-        self.buf.extend_from_slice(data);
-        Ok(data.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
     }
 }
 
@@ -308,6 +310,10 @@ pub struct SnapshotProducer {
     pub metrics: SnapshotMetrics,
     mac_key: Option<Arc<[u8]>>,
     max_bytes: usize,
+    /// [`SNAPSHOT_STREAM_STALL_MS_MAX`] and [`SNAPSHOT_STREAM_JOIN_WINDOW_BYTES`], smaller in
+    /// this module's tests.
+    stream_stall: Duration,
+    stream_join_window_bytes: usize,
 }
 
 impl SnapshotProducer {
@@ -318,11 +324,22 @@ impl SnapshotProducer {
             metrics,
             mac_key,
             max_bytes,
+            stream_stall: Duration::from_millis(SNAPSHOT_STREAM_STALL_MS_MAX),
+            stream_join_window_bytes: SNAPSHOT_STREAM_JOIN_WINDOW_BYTES,
         }
     }
 
     pub fn max_bytes(&self) -> usize {
         self.max_bytes
+    }
+
+    /// One of the [`SNAPSHOT_CONCURRENT_EXPORTS_MAX`] slots a walk or an encoding holds while
+    /// it runs, or `Busy`: a request never waits for one.
+    fn take_slot(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ProduceError> {
+        self.permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ProduceError::Busy)
     }
 
     /// An export of `model` young enough for `req`: the cached one, the one being built, or a
@@ -353,11 +370,7 @@ impl SnapshotProducer {
                     (fut.clone(), ExportSource::JoinedBuild)
                 }
                 _ => {
-                    let permit = self
-                        .permits
-                        .clone()
-                        .try_acquire_owned()
-                        .map_err(|_| ProduceError::Busy)?;
+                    let permit = self.take_slot()?;
                     let stamp = Instant::now();
                     let fut = self.start_build(
                         model,
@@ -453,65 +466,102 @@ impl SnapshotProducer {
         }
     }
 
-    /// The encoded bytes of `export` as `format`/`compression`, encoding them (once) if needed.
-    /// Like builds, the encode runs in a detached task so it completes for the next requester.
-    pub async fn encoded(
+    /// A body of `export` as `format`/`compression`, returned once its first chunk is out (or
+    /// the encode was refused before it): a reader of the running encoding of that variant if it
+    /// can still be joined, else a new encoding, which holds an export slot until it ends.
+    pub async fn stream_encoded(
         &self,
         export: &Arc<Export>,
         format: SnapshotFormat,
         compression: Compression,
-    ) -> Result<Bytes, ProduceError> {
-        let cell = export
-            .variants
-            .lock()
-            .entry((format, compression))
-            .or_default()
-            .clone();
-        if let Some(done) = cell.get() {
-            return done.clone();
+    ) -> Result<EncodedBody, ProduceError> {
+        let variant = (format, compression);
+        if export.too_large.lock().contains(&variant) {
+            return Err(ProduceError::TooLarge {
+                limit_bytes: self.max_bytes,
+            });
         }
-        let export = export.clone();
-        let permits = self.permits.clone();
+        let mut body = {
+            let mut encodings = export.encodings.lock();
+            match encodings.get(&variant).and_then(|tee| tee.join()) {
+                Some(body) => {
+                    self.metrics.encodings_joined.inc();
+                    body
+                }
+                None => {
+                    let permit = self.take_slot()?;
+                    let tee = Arc::new(BodyTee::new(self.stream_join_window_bytes));
+                    let body = tee.join().expect("a new encoding can be joined");
+                    encodings.insert(variant, tee.clone());
+                    self.start_encoding(export.clone(), variant, tee, permit);
+                    body
+                }
+            }
+        };
+        body.first_chunk().await?;
+        Ok(body)
+    }
+
+    fn start_encoding(
+        &self,
+        export: Arc<Export>,
+        (format, compression): VariantKey,
+        tee: Arc<BodyTee>,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) {
+        let mut out = TeeWriter::new(tee, self.max_bytes, self.stream_stall);
         let mac_key = self.mac_key.clone();
-        let max_bytes = self.max_bytes;
-        let encode_seconds = self.metrics.export_seconds.with_label_values(&["encode"]);
-        let encoded_bytes = self.metrics.encoded_bytes.clone();
-        let task = tokio::spawn(async move {
-            cell.get_or_try_init(|| async move {
-                // Busy is the one outcome not cached: it says nothing about the export.
-                let permit = permits
-                    .try_acquire_owned()
-                    .map_err(|_| ProduceError::Busy)?;
-                let encoded = tokio::task::spawn_blocking(move || {
-                    let _permit = permit;
-                    let started = Instant::now();
-                    let out = encode_variant(
-                        &export.snapshot,
-                        format,
-                        compression,
-                        if format == SnapshotFormat::Binary {
-                            mac_key.as_deref()
-                        } else {
-                            None
-                        },
-                        max_bytes,
-                    );
-                    encode_seconds.observe(started.elapsed().as_secs_f64());
-                    if let Ok(b) = &out {
-                        encoded_bytes.observe(b.len() as f64);
+        let metrics = self.metrics.clone();
+        tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            let started = Instant::now();
+            let encoded = encode_variant_into(
+                &export.snapshot,
+                format,
+                compression,
+                mac_key.as_deref(),
+                &mut out,
+            );
+            let (report, outcome) = out.finish(encoded);
+            for (label, readers) in [
+                ("client_stalled", report.readers_stalled),
+                ("client_gone", report.readers_gone),
+            ] {
+                metrics
+                    .streams_cut
+                    .with_label_values(&[label])
+                    .inc_by(readers as u64);
+            }
+            match outcome {
+                Ok(()) => {
+                    metrics
+                        .export_seconds
+                        .with_label_values(&["encode"])
+                        .observe(started.elapsed().as_secs_f64());
+                    metrics.encoded_bytes.observe(report.body_bytes as f64);
+                }
+                Err(reason) => {
+                    if matches!(reason, BodyCut::TooLarge { .. }) {
+                        export.too_large.lock().insert((format, compression));
                     }
-                    out
-                })
-                .await
-                .map_err(|e| ProduceError::Task(e.to_string()))?;
-                Ok::<_, ProduceError>(encoded)
-            })
-            .await
-            .cloned()
+                    // Readers that stalled or hung up were counted one by one above.
+                    let whole_encoding_cut =
+                        matches!(reason, BodyCut::TooLarge { .. } | BodyCut::Failed(_));
+                    if whole_encoding_cut && report.body_bytes >= SNAPSHOT_STREAM_CHUNK_BYTES {
+                        metrics
+                            .streams_cut
+                            .with_label_values(&[reason.label()])
+                            .inc();
+                        tracing::warn!(
+                            format = format.label(),
+                            body_bytes = report.body_bytes,
+                            reason = %reason,
+                            "snapshot encoding cut after its first chunk"
+                        );
+                    }
+                }
+            }
         });
-        task.await
-            .map_err(|e| ProduceError::Task(e.to_string()))?
-            .and_then(|r| r)
     }
 }
 
@@ -714,46 +764,302 @@ mod tests {
         assert_eq!(p.metrics.builds.get(), 1);
     }
 
+    /// An index of one rank (the one [`all_complete`] names) carrying `chains` chains of 100
+    /// blocks: about 10 KiB of JSON per chain.
+    fn reader_with_chains(chains: u32) -> IndexReader {
+        use kvroute_wire::event::{BlockStored, EngineHash, KvEvent};
+        let (mut w, r) = PrefixIndex::new(IndexConfig::new(4));
+        let id = w.add_rank(rank(1));
+        for chain in 0..chains {
+            let hashes: Vec<EngineHash> = (0..100u64)
+                .map(|b| EngineHash(u64::from(chain) * 1_000 + b + 1))
+                .collect();
+            let tokens: Vec<u32> = (0..400).map(|t| chain * 1_000 + t).collect();
+            w.apply_event(
+                id,
+                &KvEvent::BlockStored(BlockStored::new(hashes, None, tokens, 4)),
+            );
+        }
+        w.set_cursor(id, Some((3, 1.5)));
+        r
+    }
+
+    fn producer_with(
+        max_bytes: usize,
+        stream_stall: Duration,
+        stream_join_window_bytes: usize,
+    ) -> Arc<SnapshotProducer> {
+        let metrics = SnapshotMetrics::new(&prometheus::Registry::new()).unwrap();
+        Arc::new(SnapshotProducer {
+            stream_stall,
+            stream_join_window_bytes,
+            ..SnapshotProducer::new(metrics, None, max_bytes)
+        })
+    }
+
+    /// Limits as in service.
+    fn producer_as_served(max_bytes: usize) -> Arc<SnapshotProducer> {
+        producer_with(
+            max_bytes,
+            Duration::from_millis(SNAPSHOT_STREAM_STALL_MS_MAX),
+            SNAPSHOT_STREAM_JOIN_WINDOW_BYTES,
+        )
+    }
+
+    /// Nobody can join an encoding past its first chunk: what a body larger than the join window
+    /// does in service, on a body a unit test can afford.
+    fn producer_joinable_for_one_chunk(stream_stall: Duration) -> Arc<SnapshotProducer> {
+        producer_with(1 << 30, stream_stall, SNAPSHOT_STREAM_CHUNK_BYTES)
+    }
+
+    async fn export_of(p: &Arc<SnapshotProducer>, reader: &IndexReader) -> Arc<Export> {
+        p.export("m", reader, request(0), || true, all_complete)
+            .await
+            .unwrap()
+            .0
+    }
+
+    fn whole(export: &Export, format: SnapshotFormat, compression: Compression) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode_variant_into(&export.snapshot, format, compression, None, &mut out).unwrap();
+        out
+    }
+
+    /// A body of the uncompressed JSON variant, the largest for a given index.
+    async fn json_body(p: &SnapshotProducer, export: &Arc<Export>) -> EncodedBody {
+        p.stream_encoded(export, SnapshotFormat::Json, Compression::None)
+            .await
+            .expect("a JSON body")
+    }
+
+    /// Reads up to `chunks_max` chunks of a body; the error, if the body was cut, comes last.
+    async fn read_chunks(
+        stream: &mut (impl futures::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Unpin),
+        chunks_max: usize,
+    ) -> (Vec<u8>, usize, Option<std::io::Error>) {
+        use futures::StreamExt;
+        let (mut bytes, mut chunks) = (Vec::new(), 0);
+        while chunks < chunks_max {
+            match stream.next().await {
+                Some(Ok(chunk)) => {
+                    bytes.extend_from_slice(&chunk);
+                    chunks += 1;
+                }
+                Some(Err(e)) => return (bytes, chunks, Some(e)),
+                None => break,
+            }
+        }
+        (bytes, chunks, None)
+    }
+
+    async fn drain(body: EncodedBody) -> (Vec<u8>, usize, Option<std::io::Error>) {
+        read_chunks(&mut std::pin::pin!(body.into_stream()), usize::MAX).await
+    }
+
+    async fn wait_for_every_slot_free(p: &SnapshotProducer) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let free = p.permits.available_permits();
+            if free == SNAPSHOT_CONCURRENT_EXPORTS_MAX {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "awaited {SNAPSHOT_CONCURRENT_EXPORTS_MAX} free export slots, saw {free}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    fn cut(p: &SnapshotProducer, reason: &str) -> u64 {
+        p.metrics.streams_cut.with_label_values(&[reason]).get()
+    }
+
+    fn encodes_finished(p: &SnapshotProducer) -> u64 {
+        p.metrics
+            .export_seconds
+            .with_label_values(&["encode"])
+            .get_sample_count()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_streamed_body_is_the_whole_encoding_in_chunks_and_a_small_one_is_kept() {
+        let p = producer_as_served(1 << 30);
+        let export = export_of(&p, &reader_with_chains(100)).await;
+        let variants = [
+            (SnapshotFormat::Json, Compression::None),
+            (SnapshotFormat::Binary, Compression::None),
+            (SnapshotFormat::Binary, Compression::Zstd),
+        ];
+        for (format, compression) in variants {
+            let whole = whole(&export, format, compression);
+            let body = p
+                .stream_encoded(&export, format, compression)
+                .await
+                .unwrap();
+            let (streamed, chunks, fault) = drain(body).await;
+            assert!(fault.is_none(), "{format:?}/{compression:?}: {fault:?}");
+            assert!(
+                streamed == whole,
+                "{format:?}/{compression:?}: bodies differ"
+            );
+            assert_eq!(
+                chunks,
+                whole.len().div_ceil(SNAPSHOT_STREAM_CHUNK_BYTES),
+                "{format:?}/{compression:?}: {} bytes",
+                whole.len()
+            );
+            if format == SnapshotFormat::Json {
+                assert!(
+                    chunks > 2,
+                    "the JSON body must span several chunks: {chunks}"
+                );
+            }
+        }
+        wait_for_every_slot_free(&p).await;
+        assert_eq!(encodes_finished(&p), 3);
+        // Within the join window, a finished body is kept: asked again, nothing is encoded.
+        let (format, compression) = variants[0];
+        let again = p
+            .stream_encoded(&export, format, compression)
+            .await
+            .unwrap();
+        let (streamed, _, fault) = drain(again).await;
+        assert!(fault.is_none() && streamed == whole(&export, format, compression));
+        assert_eq!(encodes_finished(&p), 3);
+        assert_eq!(p.metrics.encodings_joined.get(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_requester_that_comes_while_the_replay_is_whole_joins_the_running_encoding() {
+        let p = producer_as_served(1 << 30);
+        let export = export_of(&p, &reader_with_chains(400)).await;
+        let first = json_body(&p, &export).await;
+        // The first body is not read yet: the encoder is at most a few chunks in.
+        let second = json_body(&p, &export).await;
+        assert_eq!(p.metrics.encodings_joined.get(), 1);
+        let (a, b) = tokio::join!(drain(first), drain(second));
+        let expected = whole(&export, SnapshotFormat::Json, Compression::None);
+        for (name, (bytes, _, fault)) in [("first", a), ("joiner", b)] {
+            assert!(fault.is_none(), "{name}: {fault:?}");
+            assert!(bytes == expected, "{name}: {} bytes", bytes.len());
+        }
+        wait_for_every_slot_free(&p).await;
+        assert_eq!(encodes_finished(&p), 1, "one encoding served both");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn past_the_join_window_a_requester_starts_its_own_encoding() {
+        let p =
+            producer_joinable_for_one_chunk(Duration::from_millis(SNAPSHOT_STREAM_STALL_MS_MAX));
+        let export = export_of(&p, &reader_with_chains(400)).await;
+        let first = json_body(&p, &export).await;
+        let mut first = std::pin::pin!(first.into_stream());
+        // Taking the second chunk proves the encoder published it, past the one-chunk window.
+        let (head, chunks, fault) = read_chunks(&mut first, 2).await;
+        assert!(chunks == 2 && fault.is_none(), "{chunks} chunks, {fault:?}");
+        let second = json_body(&p, &export).await;
+        assert_eq!(p.metrics.encodings_joined.get(), 0);
+        let ((tail, _, fault_a), (b, _, fault_b)) =
+            tokio::join!(read_chunks(&mut first, usize::MAX), drain(second));
+        let expected = whole(&export, SnapshotFormat::Json, Compression::None);
+        assert!(
+            fault_a.is_none() && fault_b.is_none(),
+            "{fault_a:?} {fault_b:?}"
+        );
+        assert!([head, tail].concat() == expected, "first body differs");
+        assert!(b == expected, "second body differs");
+        wait_for_every_slot_free(&p).await;
+        assert_eq!(encodes_finished(&p), 2);
+    }
+
     #[tokio::test]
-    async fn each_variant_is_encoded_once_per_export() {
-        let p = producer();
-        let (export, _) = p
-            .export("m", &reader(), request(0), || false, all_complete)
-            .await
-            .unwrap();
-        assert!(!export.snapshot.producer_ready, "replica not ready");
-        let a = p
-            .encoded(&export, SnapshotFormat::Binary, Compression::Zstd)
-            .await
-            .unwrap();
-        let b = p
-            .encoded(&export, SnapshotFormat::Binary, Compression::Zstd)
-            .await
-            .unwrap();
-        assert_eq!(a.as_ptr(), b.as_ptr(), "second request re-encoded");
+    async fn an_encoding_over_the_limit_before_its_first_chunk_is_refused_and_remembered() {
+        let p = producer_as_served(16);
+        let export = export_of(&p, &reader()).await;
+        let r = p
+            .stream_encoded(&export, SnapshotFormat::Json, Compression::None)
+            .await;
+        assert!(matches!(r, Err(ProduceError::TooLarge { limit_bytes: 16 })));
         assert_eq!(
-            p.metrics
-                .export_seconds
-                .with_label_values(&["encode"])
-                .get_sample_count(),
-            1
+            cut(&p, "too_large"),
+            0,
+            "nothing was sent, so nothing was cut"
+        );
+        wait_for_every_slot_free(&p).await;
+        // With every slot taken, only a remembered verdict can answer.
+        let _held = p
+            .permits
+            .clone()
+            .try_acquire_many_owned(SNAPSHOT_CONCURRENT_EXPORTS_MAX as u32)
+            .unwrap();
+        let again = p
+            .stream_encoded(&export, SnapshotFormat::Json, Compression::None)
+            .await;
+        assert!(matches!(again, Err(ProduceError::TooLarge { .. })));
+        let other = p
+            .stream_encoded(&export, SnapshotFormat::Binary, Compression::None)
+            .await;
+        assert!(
+            matches!(other, Err(ProduceError::Busy)),
+            "another variant is judged on its own"
         );
     }
 
-    #[test]
-    fn an_encoding_past_the_byte_limit_is_too_large() {
-        let snap = reader().export_snapshot();
-        let r = encode_variant(&snap, SnapshotFormat::Json, Compression::None, None, 16);
-        assert!(matches!(r, Err(ProduceError::TooLarge { limit_bytes: 16 })));
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_body_over_the_limit_after_its_first_chunk_is_cut_not_ended() {
+        let p = producer_as_served(SNAPSHOT_STREAM_CHUNK_BYTES + 1);
+        let export = export_of(&p, &reader_with_chains(100)).await;
+        let body = p
+            .stream_encoded(&export, SnapshotFormat::Json, Compression::None)
+            .await
+            .expect("the first chunk fits the limit");
+        let (streamed, chunks, fault) = drain(body).await;
+        assert_eq!(chunks, 1);
+        assert_eq!(streamed.len(), SNAPSHOT_STREAM_CHUNK_BYTES);
+        let fault = fault.expect("a body past the limit must end in an error, not cleanly");
+        assert!(fault.to_string().contains("limit"), "{fault}");
+        wait_for_every_slot_free(&p).await;
+        assert_eq!(cut(&p, "too_large"), 1);
+        let again = p
+            .stream_encoded(&export, SnapshotFormat::Json, Compression::None)
+            .await;
         assert!(
-            encode_variant(
-                &snap,
-                SnapshotFormat::Json,
-                Compression::None,
-                None,
-                1 << 20
-            )
-            .is_ok()
+            matches!(again, Err(ProduceError::TooLarge { .. })),
+            "the verdict is remembered for the export"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_hangs_up_frees_the_export_slot_once_nobody_can_join() {
+        let p =
+            producer_joinable_for_one_chunk(Duration::from_millis(SNAPSHOT_STREAM_STALL_MS_MAX));
+        let export = export_of(&p, &reader_with_chains(400)).await;
+        let body = json_body(&p, &export).await;
+        drop(body);
+        wait_for_every_slot_free(&p).await;
+        assert_eq!(cut(&p, "client_gone"), 1);
+        assert_eq!(
+            encodes_finished(&p),
+            0,
+            "an abandoned encode is not a finished one"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_that_stops_reading_frees_the_export_slot_at_the_stall_limit() {
+        let p = producer_joinable_for_one_chunk(Duration::from_millis(100));
+        let export = export_of(&p, &reader_with_chains(400)).await;
+        let body = json_body(&p, &export).await;
+        // The body is held, never read: its channel fills and the encoder waits for room.
+        wait_for_every_slot_free(&p).await;
+        assert_eq!(cut(&p, "client_stalled"), 1);
+        let (streamed, chunks, fault) = drain(body).await;
+        assert!(
+            fault.is_some(),
+            "a stalled body must end in an error after its {chunks} chunks ({} bytes)",
+            streamed.len()
+        );
+        assert_eq!(chunks, 1 + SNAPSHOT_STREAM_CHUNKS_IN_FLIGHT_MAX);
     }
 }
