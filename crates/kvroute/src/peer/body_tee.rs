@@ -302,9 +302,13 @@ impl TeeWriter {
 
     /// Ends the body: after `encoded` (the encoder's own result), sends what is left and the end
     /// marker, or cuts every reader's body with the reason. Returns the report, or the reason.
+    /// `settle` runs once the outcome is known and BEFORE any reader can learn it: what it
+    /// records (the producer's too-large verdict) is then in place for every request made after
+    /// a client saw its body end.
     pub fn finish(
         mut self,
         encoded: Result<(), kvroute_snapshot::SnapshotEncodeError>,
+        settle: impl FnOnce(&Result<(), BodyCut>),
     ) -> (BodyReport, Result<(), BodyCut>) {
         let mut outcome = match (encoded, self.fault.take()) {
             // The writer's own reason comes first: the encoder only saw its writer fail.
@@ -315,6 +319,7 @@ impl TeeWriter {
         if outcome.is_ok() && !self.chunk.is_empty() && self.publish_chunk().is_err() {
             outcome = Err(self.fault.take().unwrap_or(BodyCut::Gone));
         }
+        settle(&outcome);
         let readers = {
             let mut state = self.tee.state.lock();
             match &outcome {
@@ -403,7 +408,10 @@ mod tests {
             let written = body
                 .chunks(100_003)
                 .try_for_each(|piece| out.write_all(piece));
-            out.finish(written.map_err(kvroute_snapshot::SnapshotEncodeError::Io))
+            out.finish(
+                written.map_err(kvroute_snapshot::SnapshotEncodeError::Io),
+                |_| {},
+            )
         })
     }
 
@@ -486,9 +494,12 @@ mod tests {
         let reader = tee.join().unwrap();
         let out = TeeWriter::new(tee.clone(), usize::MAX, Duration::from_secs(10));
         let cut = tokio::task::spawn_blocking(move || {
-            out.finish(Err(kvroute_snapshot::SnapshotEncodeError::Io(
-                std::io::Error::other("disk on fire"),
-            )))
+            out.finish(
+                Err(kvroute_snapshot::SnapshotEncodeError::Io(
+                    std::io::Error::other("disk on fire"),
+                )),
+                |_| {},
+            )
         });
         assert!(matches!(cut.await.unwrap().1, Err(BodyCut::Failed(_))));
         assert!(tee.join().is_none(), "a cut encoding cannot be joined");

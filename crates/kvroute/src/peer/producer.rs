@@ -522,7 +522,13 @@ impl SnapshotProducer {
                 mac_key.as_deref(),
                 &mut out,
             );
-            let (report, outcome) = out.finish(encoded);
+            let (report, outcome) = out.finish(encoded, |outcome| {
+                // Before any reader sees its body cut: a client that asks again after its cut
+                // must get the 507.
+                if let Err(BodyCut::TooLarge { .. }) = outcome {
+                    export.too_large.lock().insert((format, compression));
+                }
+            });
             for (label, readers) in [
                 ("client_stalled", report.readers_stalled),
                 ("client_gone", report.readers_gone),
@@ -541,9 +547,6 @@ impl SnapshotProducer {
                     metrics.encoded_bytes.observe(report.body_bytes as f64);
                 }
                 Err(reason) => {
-                    if matches!(reason, BodyCut::TooLarge { .. }) {
-                        export.too_large.lock().insert((format, compression));
-                    }
                     // Readers that stalled or hung up were counted one by one above.
                     let whole_encoding_cut =
                         matches!(reason, BodyCut::TooLarge { .. } | BodyCut::Failed(_));
@@ -1019,8 +1022,7 @@ mod tests {
         assert_eq!(streamed.len(), SNAPSHOT_STREAM_CHUNK_BYTES);
         let fault = fault.expect("a body past the limit must end in an error, not cleanly");
         assert!(fault.to_string().contains("limit"), "{fault}");
-        wait_for_every_slot_free(&p).await;
-        assert_eq!(cut(&p, "too_large"), 1);
+        // Asked again as soon as the cut is seen: the verdict is recorded before the cut.
         let again = p
             .stream_encoded(&export, SnapshotFormat::Json, Compression::None)
             .await;
@@ -1028,6 +1030,8 @@ mod tests {
             matches!(again, Err(ProduceError::TooLarge { .. })),
             "the verdict is remembered for the export"
         );
+        wait_for_every_slot_free(&p).await;
+        assert_eq!(cut(&p, "too_large"), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
