@@ -53,6 +53,11 @@ pub struct SweepArgs {
     #[arg(long, default_value_t = kvroute::peer::load_share::DEFAULT_LOAD_SHARE_INTERVAL_MS,
           value_parser = clap::value_parser!(u64).range(1..=kvroute::peer::load_share::LOAD_SHARE_INTERVAL_MS_MAX))]
     pub replica_load_share_interval_ms: u64,
+    /// Also run each replica count (above 1) with every request sent through the first replica:
+    /// the CPU cost of N replicas subscribed and indexing, one router's placement. A control
+    /// that separates what the extra replicas cost the machine from what they cost routing.
+    #[arg(long)]
+    pub replica_through_one: bool,
 }
 
 impl Default for SweepArgs {
@@ -63,15 +68,18 @@ impl Default for SweepArgs {
             replica_rounds: 5,
             replica_load_share_interval_ms:
                 kvroute::peer::load_share::DEFAULT_LOAD_SHARE_INTERVAL_MS,
+            replica_through_one: false,
         }
     }
 }
 
-/// One row: a replica count, sharing on or off, and every round's figures.
+/// One row: a replica count, sharing on or off, whether every request goes through the first
+/// replica (the control), and every round's figures.
 #[derive(Debug)]
 pub struct SweepRow {
     pub replicas: usize,
     pub sharing: bool,
+    pub through_one: bool,
     pub rounds: Vec<SweepRun>,
 }
 
@@ -102,6 +110,7 @@ impl SweepRow {
     pub fn label(&self) -> String {
         match (self.replicas, self.sharing) {
             (1, _) => "1 replica".to_string(),
+            (n, _) if self.through_one => format!("{n} replicas, all via one"),
             (n, true) => format!("{n} replicas, sharing"),
             (n, false) => format!("{n} replicas, no sharing"),
         }
@@ -175,6 +184,7 @@ async fn run_once(
     conversations: &Arc<Vec<super::Conversation>>,
     replicas: usize,
     sharing: bool,
+    through_one: bool,
     round: u64,
     bar: &indicatif::ProgressBar,
 ) -> Result<SweepRun, String> {
@@ -208,14 +218,19 @@ async fn run_once(
     if sharing {
         wait_siblings_heard(&handles).await?;
     }
-    let urls: Vec<String> = handles.iter().map(|h| h.url()).collect();
+    let entries = if through_one { 1 } else { handles.len() };
+    let urls: Vec<String> = handles[..entries].iter().map(|h| h.url()).collect();
     let driven = drive(&urls, args, conversations, bar).await;
     for h in handles {
         h.shutdown().await;
     }
     let balance = fleet_balance(&fleet);
     fleet.shutdown().await;
-    let label = format!("{replicas}x{}", if sharing { "shared" } else { "unshared" });
+    let label = match (through_one, sharing) {
+        (true, _) => format!("{replicas}x via one"),
+        (false, true) => format!("{replicas}x shared"),
+        (false, false) => format!("{replicas}x unshared"),
+    };
     let driven = driven?;
     let first_turns_ttft_p90_ms = p90_ms(driven.samples.iter().filter(|s| s.turn == 0));
     let later_turns_ttft_p90_ms = p90_ms(driven.samples.iter().filter(|s| s.turn > 0));
@@ -229,14 +244,17 @@ async fn run_once(
 /// Runs every row of the sweep.
 pub async fn run_sweep(args: &DemoArgs) -> Result<Vec<SweepRow>, String> {
     let sweep = &args.sweep;
-    let mut shapes: Vec<(usize, bool)> = Vec::new();
+    let mut shapes: Vec<(usize, bool, bool)> = Vec::new();
     for &n in &sweep.replica_counts {
         let n = n as usize;
         if n == 1 {
-            shapes.push((1, false));
+            shapes.push((1, false, false));
         } else {
-            shapes.push((n, false));
-            shapes.push((n, true));
+            shapes.push((n, false, false));
+            shapes.push((n, true, false));
+            if sweep.replica_through_one {
+                shapes.push((n, false, true));
+            }
         }
     }
     let conversations = Arc::new(workload(args));
@@ -248,9 +266,10 @@ pub async fn run_sweep(args: &DemoArgs) -> Result<Vec<SweepRow>, String> {
     let bar = progress_bar(per_run * shapes.len() * rounds as usize)?;
     let mut rows: Vec<SweepRow> = shapes
         .iter()
-        .map(|&(replicas, sharing)| SweepRow {
+        .map(|&(replicas, sharing, through_one)| SweepRow {
             replicas,
             sharing,
+            through_one,
             rounds: Vec::new(),
         })
         .collect();
@@ -258,8 +277,16 @@ pub async fn run_sweep(args: &DemoArgs) -> Result<Vec<SweepRow>, String> {
     for round in 0..rounds {
         for row in rows.iter_mut() {
             bar.set_message(format!("round {} / {rounds}: {}", round + 1, row.label()));
-            let run =
-                run_once(args, &conversations, row.replicas, row.sharing, round, &bar).await?;
+            let run = run_once(
+                args,
+                &conversations,
+                row.replicas,
+                row.sharing,
+                row.through_one,
+                round,
+                &bar,
+            )
+            .await?;
             row.rounds.push(run);
         }
     }
@@ -271,6 +298,7 @@ fn row_json(row: &SweepRow) -> Value {
     json!({
         "replicas": row.replicas,
         "load_sharing": row.sharing,
+        "all_via_one_replica": row.through_one,
         "hit_rate_median": row.hit_rate(),
         "ttft_p90_ms_median": row.ttft_p90_ms(),
         "first_turns_ttft_p90_ms_median": row.first_turns_ttft_p90_ms(),
