@@ -42,6 +42,10 @@ pub const SNAPSHOT_STREAM_STALL_MS_MAX: u64 = 10_000;
 /// once encoded. Past it a body is never held whole.
 pub const SNAPSHOT_STREAM_JOIN_WINDOW_BYTES: usize = 64 << 20;
 
+/// Most readers one running encoding feeds; a requester past it starts its own encoding (and is
+/// told to retry when every export slot is taken).
+pub const SNAPSHOT_STREAM_READERS_MAX: usize = 64;
+
 /// Why a body stopped before its end.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BodyCut {
@@ -167,10 +171,11 @@ impl BodyTee {
     }
 
     /// A reader of this encoding from its first byte, or `None` once that can no longer be given
-    /// (the replay passed the window, or the encoding was cut).
+    /// (the replay passed the window, or the encoding was cut) or the encoding already feeds
+    /// [`SNAPSHOT_STREAM_READERS_MAX`] readers.
     pub fn join(&self) -> Option<EncodedBody> {
         let mut state = self.state.lock();
-        if !state.joinable {
+        if !state.joinable || state.readers.len() >= SNAPSHOT_STREAM_READERS_MAX {
             return None;
         }
         let ready = state.replay.iter().cloned().collect();
@@ -475,6 +480,16 @@ mod tests {
             fault.is_some(),
             "a dropped reader's body must end in an error"
         );
+    }
+
+    #[test]
+    fn a_running_encoding_feeds_at_most_the_reader_limit() {
+        let tee = BodyTee::new(usize::MAX);
+        let readers: Vec<EncodedBody> = (0..SNAPSHOT_STREAM_READERS_MAX)
+            .map(|i| tee.join().unwrap_or_else(|| panic!("reader {i} refused")))
+            .collect();
+        assert!(tee.join().is_none(), "one reader past the limit joined");
+        drop(readers);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
