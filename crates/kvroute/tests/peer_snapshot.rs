@@ -727,33 +727,21 @@ async fn producer_ready_is_false_while_the_replica_is_not_ready() {
     fleet.shutdown().await;
 }
 
-/// The bootstrap sweep's path over the real transport: the raw answer of a warm producer vets
-/// (`kvroute_bootstrap::vet`, the only bridge from a sibling's bytes to a graft) into a
-/// `Covered` watermark for every live rank, equal to the producer's own cursor; a rank this
-/// replica does not serve is dropped; and the two "nothing to serve" answers are told apart
-/// from a failure.
+/// The bootstrap sweep's path over the real transport: a warm producer's body, vetted as it
+/// arrives (`kvroute_bootstrap::vet_stream`, the only bridge from a sibling's bytes to a graft),
+/// gives a `Covered` watermark for every live rank, equal to the producer's own cursor; a rank
+/// this replica does not serve is dropped; and the two "nothing to serve" answers are told
+/// apart from a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_sweeps_raw_answer_vets_into_the_producers_cursor_for_every_live_rank() {
-    use kvroute::peer::fetch::SnapshotAnswer;
-    use kvroute_bootstrap::{BodyEncoding, Coverage, Expectations, vet};
+async fn the_sweeps_streamed_answer_vets_into_the_producers_cursor_for_every_live_rank() {
+    use kvroute::peer::fetch::StreamedAnswer;
+    use kvroute_bootstrap::{BodyEncoding, Coverage, Expectations, vet_stream};
     use kvroute_index::RankId;
 
     let (fleet, router, _) = warm_router(2, 2, 30, |_| {}).await;
     let a = a_reader(&router);
     let want = index_cursors(&a);
     assert_eq!(want.len(), 4, "every rank of A has a cursor: {want:?}");
-    let answer = fetcher(None)
-        .fetch_snapshot_answer(&router.internal_url(), Some("m"), None, Some(10_000))
-        .await;
-    let SnapshotAnswer::Response(resp) = answer else {
-        panic!("expected a snapshot response, got {answer:?}");
-    };
-    assert!(resp.age_ms.is_some(), "the producer sends the export's age");
-    let encoding = BodyEncoding::from_headers(
-        Some(resp.content_type.as_str()),
-        resp.content_encoding.as_deref(),
-    )
-    .expect("the producer answers in an encoding vet reads");
     // This replica serves three of A's four ranks, under local ids of its own.
     let ranks: Vec<(String, u32)> = want.keys().cloned().collect();
     let live: Vec<(kvroute_wire::snapshot::RankRef, RankId)> = ranks[..3]
@@ -769,17 +757,37 @@ async fn the_sweeps_raw_answer_vets_into_the_producers_cursor_for_every_live_ran
             )
         })
         .collect();
-    let vetted = vet(
-        &resp.bytes,
-        encoding,
-        &Expectations {
-            block_size: a.config().block_size,
-            live: &live,
-            mac_key: None,
-            limits: DecodeLimits::default(),
-        },
-    )
-    .expect("a warm, ready producer's snapshot vets");
+    let block_size = a.config().block_size;
+    let answer = fetcher(None)
+        .fetch_snapshot_streamed(
+            &router.internal_url(),
+            Some("m"),
+            None,
+            Some(10_000),
+            move |head, body| {
+                let encoding = BodyEncoding::from_headers(
+                    Some(head.content_type.as_str()),
+                    head.content_encoding.as_deref(),
+                )
+                .expect("the producer answers in an encoding vet reads");
+                vet_stream(
+                    body,
+                    encoding,
+                    &Expectations {
+                        block_size,
+                        live: &live,
+                        mac_key: None,
+                        limits: DecodeLimits::default(),
+                    },
+                )
+            },
+        )
+        .await;
+    let StreamedAnswer::Consumed { value, head, .. } = answer else {
+        panic!("expected a snapshot body, got {answer:?}");
+    };
+    assert!(head.age_ms.is_some(), "the producer sends the export's age");
+    let vetted = value.expect("a warm, ready producer's snapshot vets");
     assert_eq!(
         vetted.dropped_ranks(),
         1,
@@ -796,32 +804,33 @@ async fn the_sweeps_raw_answer_vets_into_the_producers_cursor_for_every_live_ran
     router.shutdown().await;
 
     // Nothing to serve: a replica without an index (404), and one whose index has applied no
-    // event yet (503 index_not_ready).
+    // event yet (503 index_not_ready). The consumer is never reached.
+    let ask = |base: String, timeout_ms: Option<u64>| async move {
+        fetcher(None)
+            .fetch_snapshot_streamed(&base, None, None, timeout_ms, |_, _| {
+                panic!("no body was expected")
+            })
+            .await
+    };
     let rr = kvroute::serve(RouterConfig {
         policy: PolicyKind::RoundRobin,
         ..router_config(&urls(&fleet))
     })
     .await
     .unwrap();
-    let answer = fetcher(None)
-        .fetch_snapshot_answer(&rr.internal_url(), None, None, None)
-        .await;
-    assert!(matches!(answer, SnapshotAnswer::NoSnapshot), "{answer:?}");
+    let answer: StreamedAnswer<()> = ask(rr.internal_url(), None).await;
+    assert!(matches!(answer, StreamedAnswer::NoSnapshot), "{answer:?}");
     rr.shutdown().await;
     fleet.shutdown().await;
     let quiet = common::fleet(1, 1, "m").await;
     let cold = kvroute::serve(router_config(&urls(&quiet))).await.unwrap();
     wait_subscribed(&cold, 1).await;
-    let answer = fetcher(None)
-        .fetch_snapshot_answer(&cold.internal_url(), None, None, None)
-        .await;
-    assert!(matches!(answer, SnapshotAnswer::NoSnapshot), "{answer:?}");
+    let answer: StreamedAnswer<()> = ask(cold.internal_url(), None).await;
+    assert!(matches!(answer, StreamedAnswer::NoSnapshot), "{answer:?}");
     // A sibling that is not there at all is a failure, not "nothing to serve".
-    let answer = fetcher(None)
-        .fetch_snapshot_answer("http://127.0.0.1:9", None, None, Some(2_000))
-        .await;
+    let answer: StreamedAnswer<()> = ask("http://127.0.0.1:9".to_string(), Some(2_000)).await;
     assert!(
-        matches!(answer, SnapshotAnswer::Unreachable(_)),
+        matches!(answer, StreamedAnswer::Unreachable(_)),
         "{answer:?}"
     );
     cold.shutdown().await;

@@ -12,11 +12,11 @@
 //! * the bearer token is sent when configured, and the same bytes verify the binary snapshot's
 //!   HMAC: a body signed with another key is [`FetchOutcome::MacRefused`].
 //!
-//! Three ways in: [`PeerFetcher::fetch_snapshot`] decodes (the component tests compare what it
-//! returns with the producer's index); [`PeerFetcher::fetch_snapshot_answer`] hands the raw bytes
-//! and headers over whole; and [`PeerFetcher::fetch_snapshot_streamed`], the bootstrap sweep's
-//! path, hands the body to a consumer on the blocking pool AS IT ARRIVES (the sweep's consumer is
-//! `kvroute_bootstrap::vet_stream`, the only path from a sibling's bytes to a graft). Streaming is
+//! Two ways in: [`PeerFetcher::fetch_snapshot`] decodes (the component tests compare what it
+//! returns with the producer's index); and [`PeerFetcher::fetch_snapshot_streamed`], the
+//! bootstrap sweep's path, hands the body to a consumer on the blocking pool AS IT ARRIVES (the
+//! sweep's consumer decodes with `kvroute_bootstrap::decode_stream` and vets with
+//! `vet_decoded`, the only path from a sibling's bytes to a graft). Streaming is
 //! what lets a 1,024-rank snapshot be decoded while it is still on the wire and never be held
 //! whole: at most [`FETCH_BODY_CHUNKS_IN_FLIGHT_MAX`] chunks wait between the socket and the
 //! decoder, and a fault on the wire reaches the decoder as a read error, never as a clean end.
@@ -116,37 +116,7 @@ pub struct PeerFetcher {
 
 struct RawBody {
     bytes: Vec<u8>,
-    content_type: String,
-    content_encoding: Option<String>,
-    age_ms: Option<u64>,
-}
-
-/// A snapshot response as it came off the wire: the bytes for `kvroute_bootstrap::vet` (the
-/// only bridge from them to a snapshot a replica may graft) and the headers the sweep needs.
-#[derive(Debug)]
-pub struct SnapshotResponse {
-    pub bytes: Vec<u8>,
-    pub content_type: String,
-    pub content_encoding: Option<String>,
-    /// The producer's `x-kvroute-snapshot-age-ms`: how old its export was when sent. The body
-    /// carries no export time, so this is what a freshness floor is checked against.
-    pub age_ms: Option<u64>,
-}
-
-/// How a snapshot fetch ended, in the terms the bootstrap sweep decides on.
-#[derive(Debug)]
-pub enum SnapshotAnswer {
-    /// A 200 and its bytes (size-checked on the wire, not yet decoded).
-    Response(SnapshotResponse),
-    /// The sibling has nothing to serve: 404 (no index, or a build without the endpoint) or 503
-    /// `index_not_ready` (it has applied no KV event yet).
-    NoSnapshot,
-    /// The sibling is warm but refused for now: 503 `busy` or 429.
-    Busy,
-    /// The body passed the byte limit on the wire.
-    TooLarge { limit_bytes: usize },
-    /// Connect failure, timeout, broken body, or any other status.
-    Unreachable(String),
+    head: SnapshotHead,
 }
 
 /// A snapshot request that got no 200, in the sweep's terms.
@@ -161,12 +131,12 @@ enum NotServed {
 pub struct SnapshotHead {
     pub content_type: String,
     pub content_encoding: Option<String>,
-    /// As in [`SnapshotResponse::age_ms`].
+    /// The producer's `x-kvroute-snapshot-age-ms`: how old its export was when sent. The body
+    /// carries no export time, so this is what a freshness floor is checked against.
     pub age_ms: Option<u64>,
 }
 
-/// How a streamed snapshot fetch ended: [`SnapshotAnswer`] with the consumer's verdict in place
-/// of the bytes.
+/// How a streamed snapshot fetch ended, in the terms the bootstrap sweep decides on.
 #[derive(Debug)]
 pub enum StreamedAnswer<T> {
     /// A 200 whose whole body reached the consumer (or the consumer stopped reading early, having
@@ -176,12 +146,13 @@ pub enum StreamedAnswer<T> {
         head: SnapshotHead,
         body_done: Instant,
     },
+    /// The sibling has nothing to serve: 404 (no index, or a build without the endpoint) or 503
+    /// `index_not_ready` (it has applied no KV event yet).
     NoSnapshot,
+    /// The sibling is warm but refused for now: 503 `busy` or 429.
     Busy,
     /// The body passed the byte limit on the wire (Content-Length or counted chunks).
-    TooLarge {
-        limit_bytes: usize,
-    },
+    TooLarge { limit_bytes: usize },
     /// Connect failure, timeout, broken body, any other status, or a consumer that panicked.
     Unreachable(String),
 }
@@ -311,36 +282,6 @@ impl PeerFetcher {
         match serde_json::from_slice::<CursorTable>(&body) {
             Ok(t) => FetchOutcome::Body(t),
             Err(e) => FetchOutcome::Undecodable(format!("cursor table: {e}")),
-        }
-    }
-
-    /// `GET {base}/internal/kv_snapshot` for the bootstrap sweep: the raw answer, classified,
-    /// with `timeout_ms` (when given) as this fetch's whole budget instead of the client's.
-    pub async fn fetch_snapshot_answer(
-        &self,
-        base_url: &str,
-        model: Option<&str>,
-        max_age_ms: Option<u64>,
-        timeout_ms: Option<u64>,
-    ) -> SnapshotAnswer {
-        let (url, resp) = match self
-            .snapshot_request(base_url, model, max_age_ms, timeout_ms)
-            .await
-        {
-            Ok(ok) => ok,
-            Err(NotServed::NoSnapshot) => return SnapshotAnswer::NoSnapshot,
-            Err(NotServed::Busy) => return SnapshotAnswer::Busy,
-            Err(NotServed::Unreachable(reason)) => return SnapshotAnswer::Unreachable(reason),
-        };
-        match read_body::<()>(&url, resp, self.cfg.max_bytes).await {
-            Ok(raw) => SnapshotAnswer::Response(SnapshotResponse {
-                bytes: raw.bytes,
-                content_type: raw.content_type,
-                content_encoding: raw.content_encoding,
-                age_ms: raw.age_ms,
-            }),
-            Err(FetchOutcome::TooLarge { limit_bytes }) => SnapshotAnswer::TooLarge { limit_bytes },
-            Err(other) => SnapshotAnswer::Unreachable(format!("{url}: {other:?}")),
         }
     }
 
@@ -546,11 +487,7 @@ async fn read_body<T>(
             limit_bytes: max_bytes,
         });
     }
-    let SnapshotHead {
-        content_type,
-        content_encoding,
-        age_ms,
-    } = snapshot_head(&resp);
+    let head = snapshot_head(&resp);
     let mut bytes = Vec::new();
     loop {
         match resp.chunk().await {
@@ -566,12 +503,7 @@ async fn read_body<T>(
             Err(e) => return Err(FetchOutcome::Unreachable(format!("{url}: body: {e}"))),
         }
     }
-    Ok(RawBody {
-        bytes,
-        content_type,
-        content_encoding,
-        age_ms,
-    })
+    Ok(RawBody { bytes, head })
 }
 
 /// The headers a snapshot's reader needs, normalised (trimmed, lower case).
@@ -608,7 +540,7 @@ fn decompress<T>(
     raw: &RawBody,
     max_bytes: usize,
 ) -> Result<std::borrow::Cow<'_, [u8]>, FetchOutcome<T>> {
-    let compression = match raw.content_encoding.as_deref() {
+    let compression = match raw.head.content_encoding.as_deref() {
         None | Some("") | Some("identity") => Compression::None,
         Some("gzip") | Some("x-gzip") => Compression::Gzip,
         Some("zstd") => Compression::Zstd,
@@ -634,7 +566,7 @@ fn decode_snapshot(
         max_bytes,
         ..DecodeLimits::default()
     };
-    let media = raw.content_type.split(';').next().unwrap_or("").trim();
+    let media = raw.head.content_type.split(';').next().unwrap_or("").trim();
     let decoded = if media == BINARY_CONTENT_TYPE {
         decode_binary(&body, &limits, mac_key.as_deref())
     } else if media == "application/json" {
