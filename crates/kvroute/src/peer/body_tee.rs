@@ -307,13 +307,13 @@ impl TeeWriter {
 
     /// Ends the body: after `encoded` (the encoder's own result), sends what is left and the end
     /// marker, or cuts every reader's body with the reason. Returns the report, or the reason.
-    /// `settle` runs once the outcome is known and BEFORE any reader can learn it: what it
-    /// records (the producer's too-large verdict) is then in place for every request made after
-    /// a client saw its body end.
+    /// `settle` runs once the outcome and the body's size are known and BEFORE any reader can
+    /// learn the outcome: what it records (the producer's too-large verdict, the cut's count) is
+    /// then in place for every request made after a client saw its body end.
     pub fn finish(
         mut self,
         encoded: Result<(), kvroute_snapshot::SnapshotEncodeError>,
-        settle: impl FnOnce(&Result<(), BodyCut>),
+        settle: impl FnOnce(&Result<(), BodyCut>, usize),
     ) -> (BodyReport, Result<(), BodyCut>) {
         let mut outcome = match (encoded, self.fault.take()) {
             // The writer's own reason comes first: the encoder only saw its writer fail.
@@ -324,7 +324,7 @@ impl TeeWriter {
         if outcome.is_ok() && !self.chunk.is_empty() && self.publish_chunk().is_err() {
             outcome = Err(self.fault.take().unwrap_or(BodyCut::Gone));
         }
-        settle(&outcome);
+        settle(&outcome, self.written_bytes);
         let readers = {
             let mut state = self.tee.state.lock();
             match &outcome {
@@ -415,7 +415,7 @@ mod tests {
                 .try_for_each(|piece| out.write_all(piece));
             out.finish(
                 written.map_err(kvroute_snapshot::SnapshotEncodeError::Io),
-                |_| {},
+                |_, _| {},
             )
         })
     }
@@ -513,7 +513,7 @@ mod tests {
                 Err(kvroute_snapshot::SnapshotEncodeError::Io(
                     std::io::Error::other("disk on fire"),
                 )),
-                |_| {},
+                |_, _| {},
             )
         });
         assert!(matches!(cut.await.unwrap().1, Err(BodyCut::Failed(_))));

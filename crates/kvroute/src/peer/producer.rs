@@ -189,11 +189,17 @@ pub struct Export {
     /// Taken before sampling started; the export's age is measured from here.
     pub stamp: Instant,
     pub snapshot: IndexSnapshot,
-    /// Variants whose encoding passed `kv_snapshot_max_bytes`: refused at once from then on.
-    too_large: Mutex<HashSet<VariantKey>>,
-    /// The newest encoding of each variant, joined while it can still give a body from its
-    /// first byte.
-    encodings: Mutex<HashMap<VariantKey, Arc<BodyTee>>>,
+    /// What each requested variant is at: an encoding, or the verdict that it is too large.
+    variants: Mutex<HashMap<VariantKey, Variant>>,
+}
+
+/// One wire variant of an export.
+enum Variant {
+    /// The newest encoding, joined while it can still give a body from its first byte.
+    Encoding(Arc<BodyTee>),
+    /// An encoding passed `kv_snapshot_max_bytes`: refused at once from then on (encoding is
+    /// deterministic, so every later one would pass it too).
+    TooLarge,
 }
 
 impl Export {
@@ -201,8 +207,7 @@ impl Export {
         Export {
             stamp,
             snapshot,
-            too_large: Mutex::new(HashSet::new()),
-            encodings: Mutex::new(HashMap::new()),
+            variants: Mutex::new(HashMap::new()),
         }
     }
 
@@ -476,14 +481,18 @@ impl SnapshotProducer {
         compression: Compression,
     ) -> Result<EncodedBody, ProduceError> {
         let variant = (format, compression);
-        if export.too_large.lock().contains(&variant) {
-            return Err(ProduceError::TooLarge {
-                limit_bytes: self.max_bytes,
-            });
-        }
         let mut body = {
-            let mut encodings = export.encodings.lock();
-            match encodings.get(&variant).and_then(|tee| tee.join()) {
+            let mut variants = export.variants.lock();
+            let joined = match variants.get(&variant) {
+                Some(Variant::TooLarge) => {
+                    return Err(ProduceError::TooLarge {
+                        limit_bytes: self.max_bytes,
+                    });
+                }
+                Some(Variant::Encoding(tee)) => tee.join(),
+                None => None,
+            };
+            match joined {
                 Some(body) => {
                     self.metrics.encodings_joined.inc();
                     body
@@ -492,7 +501,7 @@ impl SnapshotProducer {
                     let permit = self.take_slot()?;
                     let tee = Arc::new(BodyTee::new(self.stream_join_window_bytes));
                     let body = tee.join().expect("a new encoding can be joined");
-                    encodings.insert(variant, tee.clone());
+                    variants.insert(variant, Variant::Encoding(tee.clone()));
                     self.start_encoding(export.clone(), variant, tee, permit);
                     body
                 }
@@ -522,11 +531,32 @@ impl SnapshotProducer {
                 mac_key.as_deref(),
                 &mut out,
             );
-            let (report, outcome) = out.finish(encoded, |outcome| {
+            let (report, outcome) = out.finish(encoded, |outcome, body_bytes| {
                 // Before any reader sees its body cut: a client that asks again after its cut
-                // must get the 507.
-                if let Err(BodyCut::TooLarge { .. }) = outcome {
-                    export.too_large.lock().insert((format, compression));
+                // must get the 507, and find the cut counted.
+                let Err(reason) = outcome else {
+                    return;
+                };
+                if let BodyCut::TooLarge { .. } = reason {
+                    export
+                        .variants
+                        .lock()
+                        .insert((format, compression), Variant::TooLarge);
+                }
+                // Readers that stalled or hung up are counted one by one below.
+                let whole_encoding_cut =
+                    matches!(reason, BodyCut::TooLarge { .. } | BodyCut::Failed(_));
+                if whole_encoding_cut && body_bytes >= SNAPSHOT_STREAM_CHUNK_BYTES {
+                    metrics
+                        .streams_cut
+                        .with_label_values(&[reason.label()])
+                        .inc();
+                    tracing::warn!(
+                        format = format.label(),
+                        body_bytes,
+                        reason = %reason,
+                        "snapshot encoding cut after its first chunk"
+                    );
                 }
             });
             for (label, readers) in [
@@ -538,31 +568,12 @@ impl SnapshotProducer {
                     .with_label_values(&[label])
                     .inc_by(readers as u64);
             }
-            match outcome {
-                Ok(()) => {
-                    metrics
-                        .export_seconds
-                        .with_label_values(&["encode"])
-                        .observe(started.elapsed().as_secs_f64());
-                    metrics.encoded_bytes.observe(report.body_bytes as f64);
-                }
-                Err(reason) => {
-                    // Readers that stalled or hung up were counted one by one above.
-                    let whole_encoding_cut =
-                        matches!(reason, BodyCut::TooLarge { .. } | BodyCut::Failed(_));
-                    if whole_encoding_cut && report.body_bytes >= SNAPSHOT_STREAM_CHUNK_BYTES {
-                        metrics
-                            .streams_cut
-                            .with_label_values(&[reason.label()])
-                            .inc();
-                        tracing::warn!(
-                            format = format.label(),
-                            body_bytes = report.body_bytes,
-                            reason = %reason,
-                            "snapshot encoding cut after its first chunk"
-                        );
-                    }
-                }
+            if outcome.is_ok() {
+                metrics
+                    .export_seconds
+                    .with_label_values(&["encode"])
+                    .observe(started.elapsed().as_secs_f64());
+                metrics.encoded_bytes.observe(report.body_bytes as f64);
             }
         });
     }
@@ -1022,7 +1033,9 @@ mod tests {
         assert_eq!(streamed.len(), SNAPSHOT_STREAM_CHUNK_BYTES);
         let fault = fault.expect("a body past the limit must end in an error, not cleanly");
         assert!(fault.to_string().contains("limit"), "{fault}");
-        // Asked again as soon as the cut is seen: the verdict is recorded before the cut.
+        // Asked again as soon as the cut is seen: the verdict and the count are recorded before
+        // the cut.
+        assert_eq!(cut(&p, "too_large"), 1);
         let again = p
             .stream_encoded(&export, SnapshotFormat::Json, Compression::None)
             .await;
@@ -1031,7 +1044,6 @@ mod tests {
             "the verdict is remembered for the export"
         );
         wait_for_every_slot_free(&p).await;
-        assert_eq!(cut(&p, "too_large"), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
