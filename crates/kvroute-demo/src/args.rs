@@ -49,6 +49,12 @@ pub struct DemoArgs {
     /// compute-bound GPU) or `parallel` (every prompt at full speed, load never delays it).
     #[arg(long, env = "KVROUTE_DEMO_FLEET_PREFILL", value_enum, default_value_t = FleetPrefill::Serial)]
     pub fleet_prefill: FleetPrefill,
+    /// The in-process routers' `--eviction-cost-fraction` (the share of a prefill charged on
+    /// top for each uncached token, for the cached block its insertion displaces).
+    #[arg(long, env = "KVROUTE_DEMO_EVICTION_COST_FRACTION",
+          default_value_t = kvroute::routing::policy::DEFAULT_EVICTION_COST_FRACTION,
+          value_parser = crate::parse_eviction_cost_fraction)]
+    pub eviction_cost_fraction: f64,
     /// Concurrent conversations.
     #[arg(long, env = "KVROUTE_DEMO_CONCURRENCY", default_value_t = 32)]
     pub concurrency: usize,

@@ -87,6 +87,15 @@ pub(crate) fn parse_skew(raw: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+pub(crate) fn parse_eviction_cost_fraction(raw: &str) -> Result<f64, String> {
+    let max = kvroute::routing::policy::EVICTION_COST_FRACTION_MAX;
+    let v: f64 = raw.parse().map_err(|e| format!("not a number: {e}"))?;
+    if !(0.0..=max).contains(&v) {
+        return Err(format!("must be within 0..={max}"));
+    }
+    Ok(v)
+}
+
 const WORDS: &[&str] = &[
     "cache", "router", "token", "engine", "prefix", "block", "latency", "request", "model",
     "policy", "shard", "replica", "queue", "stream", "batch", "decode", "prefill", "memory",
@@ -158,7 +167,11 @@ fn chat_workload(args: &DemoArgs) -> Vec<Conversation> {
 }
 
 #[derive(Default)]
-struct Sample {
+pub(crate) struct Sample {
+    /// Which conversation of the workload (its index) this turn belongs to.
+    conversation: usize,
+    /// When the client sent it, from the start of the run.
+    sent_at: Duration,
     ttft: Duration,
     prompt_tokens: u64,
     cached_tokens: u64,
@@ -657,9 +670,12 @@ async fn drive(
                 messages.push(json!({"role": "user", "content": turn}));
                 let url = &urls
                     [next_router.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % urls.len()];
+                let sent_at = started.elapsed();
                 match chat_turn(&http, url, &messages).await {
                     Ok((mut s, reply)) => {
                         s.turn = turn_index;
+                        s.conversation = i;
+                        s.sent_at = sent_at;
                         let rank = s
                             .decision
                             .as_deref()
@@ -854,6 +870,7 @@ fn router_config(
     policy: PolicyKind,
     oracle: bool,
     seed: u64,
+    eviction_cost_fraction: f64,
 ) -> RouterConfig {
     RouterConfig {
         workers: fleet
@@ -873,6 +890,7 @@ fn router_config(
         decision_header: true,
         weights: CostWeights {
             prefill_cost_us_per_token: 60.0,
+            eviction_cost_fraction,
             ..Default::default()
         },
         ..RouterConfig::default()
@@ -889,7 +907,13 @@ async fn run_policy(
     let fleet = kvroute_sim::start_fleet(sim_config(args.fleet_prefill, args.capacity_blocks()))
         .await
         .map_err(|e| e.to_string())?;
-    let config = router_config(&fleet, policy, oracle, args.seed);
+    let config = router_config(
+        &fleet,
+        policy,
+        oracle,
+        args.seed,
+        args.eviction_cost_fraction,
+    );
     let router = kvroute::serve(config).await.map_err(|e| e.to_string())?;
     wait_subscribed(&router.router, ENGINES * DP_SIZE).await?;
     let driven = drive(&[router.url()], args, conversations, bar).await;
@@ -1248,6 +1272,7 @@ pub fn tiny_workload_args() -> DemoArgs {
         turns: 2,
         system_prompt_skew: 0.0,
         fleet_prefill: FleetPrefill::Serial,
+        eviction_cost_fraction: kvroute::routing::policy::DEFAULT_EVICTION_COST_FRACTION,
         concurrency: 2,
         seed: 3,
         policies: vec![],
@@ -1444,9 +1469,15 @@ mod tests {
         let fleet = kvroute_sim::start_fleet(sim_config(FleetPrefill::Serial, CAPACITY_BLOCKS))
             .await
             .expect("fleet starts");
-        let router = kvroute::serve(router_config(&fleet, PolicyKind::CacheAware, false, 3))
-            .await
-            .expect("router starts");
+        let router = kvroute::serve(router_config(
+            &fleet,
+            PolicyKind::CacheAware,
+            false,
+            3,
+            kvroute::routing::policy::DEFAULT_EVICTION_COST_FRACTION,
+        ))
+        .await
+        .expect("router starts");
         wait_subscribed(&router.router, ENGINES * DP_SIZE)
             .await
             .expect("router subscribed to every rank");

@@ -58,6 +58,13 @@ pub struct SweepArgs {
     /// that separates what the extra replicas cost the machine from what they cost routing.
     #[arg(long)]
     pub replica_through_one: bool,
+    /// Also write every request of every round to this file, one JSON object per line: the
+    /// row, the round, the conversation and its system prompt, the turn, when it was sent, its
+    /// TTFT, its prompt and cached tokens (the engine's report) and the router's decision
+    /// header (rank, reason, matched blocks, predicted cost). The raw data behind the medians,
+    /// for finding where a row's tail comes from (`bench/replica_trace.py` reads it).
+    #[arg(long, value_name = "PATH")]
+    pub replica_trace_out: Option<std::path::PathBuf>,
 }
 
 impl Default for SweepArgs {
@@ -69,6 +76,7 @@ impl Default for SweepArgs {
             replica_load_share_interval_ms:
                 kvroute::peer::load_share::DEFAULT_LOAD_SHARE_INTERVAL_MS,
             replica_through_one: false,
+            replica_trace_out: None,
         }
     }
 }
@@ -200,7 +208,13 @@ async fn run_once(
                 interval_ms: args.sweep.replica_load_share_interval_ms,
                 ..LoadShareConfig::default()
             },
-            ..router_config(&fleet, PolicyKind::CacheAware, false, seed)
+            ..router_config(
+                &fleet,
+                PolicyKind::CacheAware,
+                false,
+                seed,
+                args.eviction_cost_fraction,
+            )
         };
         handles.push(kvroute::serve(config).await.map_err(|e| e.to_string())?);
     }
@@ -232,6 +246,9 @@ async fn run_once(
         (false, false) => format!("{replicas}x unshared"),
     };
     let driven = driven?;
+    if let Some(path) = &args.sweep.replica_trace_out {
+        append_trace(path, &label, round, conversations, &driven.samples)?;
+    }
     let first_turns_ttft_p90_ms = p90_ms(driven.samples.iter().filter(|s| s.turn == 0));
     let later_turns_ttft_p90_ms = p90_ms(driven.samples.iter().filter(|s| s.turn > 0));
     Ok(SweepRun {
@@ -239,6 +256,54 @@ async fn run_once(
         first_turns_ttft_p90_ms,
         later_turns_ttft_p90_ms,
     })
+}
+
+/// Appends one round's requests to the trace file, one JSON object per line. A conversation's
+/// system prompt is named by its place among the workload's distinct system prompts (its
+/// tenant), so rows and rounds compare.
+fn append_trace(
+    path: &std::path::Path,
+    label: &str,
+    round: u64,
+    conversations: &[super::Conversation],
+    samples: &[super::Sample],
+) -> Result<(), String> {
+    use std::io::Write;
+    let mut tenants: Vec<&str> = Vec::new();
+    let tenant_of: Vec<usize> = conversations
+        .iter()
+        .map(
+            |c| match tenants.iter().position(|t| *t == c.system.as_str()) {
+                Some(t) => t,
+                None => {
+                    tenants.push(c.system.as_str());
+                    tenants.len() - 1
+                }
+            },
+        )
+        .collect();
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| format!("--replica-trace-out {}: {e}", path.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    for s in samples {
+        let line = json!({
+            "row": label,
+            "round": round,
+            "conversation": s.conversation,
+            "tenant": tenant_of.get(s.conversation),
+            "turn": s.turn,
+            "sent_ms": s.sent_at.as_secs_f64() * 1000.0,
+            "ttft_ms": s.ttft.as_secs_f64() * 1000.0,
+            "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens,
+            "decision": s.decision,
+        });
+        writeln!(out, "{line}").map_err(|e| format!("--replica-trace-out: {e}"))?;
+    }
+    out.flush().map_err(|e| format!("--replica-trace-out: {e}"))
 }
 
 /// Runs every row of the sweep.
@@ -256,6 +321,11 @@ pub async fn run_sweep(args: &DemoArgs) -> Result<Vec<SweepRow>, String> {
                 shapes.push((n, false, true));
             }
         }
+    }
+    if let Some(path) = &sweep.replica_trace_out {
+        // One sweep per file: the rounds append to it.
+        std::fs::File::create(path)
+            .map_err(|e| format!("--replica-trace-out {}: {e}", path.display()))?;
     }
     let conversations = Arc::new(workload(args));
     let per_run = conversations
@@ -388,5 +458,59 @@ mod tests {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0, 3.0, 2.0]), 2.5);
         assert_eq!(median(vec![]), 0.0);
+    }
+
+    #[test]
+    fn the_trace_has_a_line_per_request_naming_its_conversation_tenant_and_decision() {
+        let conversation = |system: &Arc<String>| super::super::Conversation {
+            system: system.clone(),
+            user_turns: vec!["q".into(), "q2".into()],
+            start_after: Duration::ZERO,
+            think_before: vec![Duration::ZERO; 2],
+        };
+        let (a, b) = (Arc::new("A".to_string()), Arc::new("B".to_string()));
+        // Conversations 0 and 2 share a system prompt: one tenant.
+        let conversations = [conversation(&a), conversation(&b), conversation(&a)];
+        let sample = |conversation, turn, cached| super::super::Sample {
+            conversation,
+            turn,
+            sent_at: Duration::from_millis(5),
+            ttft: Duration::from_millis(40),
+            prompt_tokens: 100,
+            cached_tokens: cached,
+            decision: Some("reason=cache_hit;dp_rank=1".into()),
+            ..Default::default()
+        };
+        let samples = [sample(2, 1, 80), sample(1, 0, 0)];
+        let path = std::env::temp_dir().join(format!(
+            "kvroute-demo-trace-{}-{:?}.jsonl",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_file(&path);
+        append_trace(&path, "4x shared", 3, &conversations, &samples).expect("written");
+        append_trace(&path, "1x unshared", 4, &conversations, &samples[..1]).expect("appended");
+        let lines: Vec<Value> = std::fs::read_to_string(&path)
+            .expect("read back")
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+            .collect();
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert_eq!(lines[0]["row"], "4x shared");
+        assert_eq!(lines[0]["round"], 3);
+        assert_eq!(lines[0]["conversation"], 2);
+        assert_eq!(
+            lines[0]["tenant"], 0,
+            "conversation 2 shares conversation 0's prompt"
+        );
+        assert_eq!(lines[1]["tenant"], 1);
+        assert_eq!(lines[0]["cached_tokens"], 80);
+        assert_eq!(lines[0]["sent_ms"], 5.0);
+        assert_eq!(lines[0]["decision"], "reason=cache_hit;dp_rank=1");
+        assert_eq!(lines[2]["row"], "1x unshared", "a later round appends");
+        std::fs::remove_file(&path).expect("removed");
+        let missing = path.join("no/such/dir/trace.jsonl");
+        let err = append_trace(&missing, "x", 0, &conversations, &samples).unwrap_err();
+        assert!(err.contains("--replica-trace-out"), "{err}");
     }
 }

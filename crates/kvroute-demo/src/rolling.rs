@@ -388,13 +388,20 @@ fn summarize(
 /// bootstrap mode, the live siblings' internal listeners as static peers.
 fn replica_config(
     fleet: &kvroute_sim::Fleet,
+    args: &DemoArgs,
     seed: u64,
     peers: &[String],
     load_share: bool,
 ) -> Result<RouterConfig, String> {
     let base = RouterConfig {
         decision_header: true,
-        ..router_config(fleet, PolicyKind::CacheAware, false, seed)
+        ..router_config(
+            fleet,
+            PolicyKind::CacheAware,
+            false,
+            seed,
+            args.eviction_cost_fraction,
+        )
     };
     if peers.is_empty() {
         return Ok(base);
@@ -472,7 +479,7 @@ async fn run_rollout(
     let http = reqwest::Client::new();
     let mut replicas: std::collections::VecDeque<kvroute::RouterHandle> = Default::default();
     for _ in 0..rolling.rolling_replicas {
-        let handle = kvroute::serve(replica_config(&fleet, args.seed, &[], false)?)
+        let handle = kvroute::serve(replica_config(&fleet, args, args.seed, &[], false)?)
             .await
             .map_err(|e| e.to_string())?;
         wait_subscribed(&handle.router, ENGINES * DP_SIZE).await?;
@@ -558,6 +565,7 @@ async fn run_rollout(
         };
         let fresh = match replica_config(
             &fleet,
+            args,
             args.seed.wrapping_add(u64::from(i) + 1),
             &peers,
             rolling.rolling_load_share,

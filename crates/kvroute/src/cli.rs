@@ -24,8 +24,9 @@ use crate::peer::internal::{read_internal_auth_token, read_token_file};
 use crate::routing::kv::KvFlagDefaults;
 use crate::routing::pending::DEFAULT_PENDING_PREFIX_TTL_MS;
 use crate::routing::policy::{
-    CostWeights, DEFAULT_LOAD_BOUND_FACTOR, DEFAULT_LOAD_BOUND_SLACK_REQUESTS,
-    LOAD_BOUND_FACTOR_MAX, LOAD_BOUND_SLACK_REQUESTS_MAX, PolicyKind, RETRIES_MAX,
+    CostWeights, DEFAULT_EVICTION_COST_FRACTION, DEFAULT_LOAD_BOUND_FACTOR,
+    DEFAULT_LOAD_BOUND_SLACK_REQUESTS, EVICTION_COST_FRACTION_MAX, LOAD_BOUND_FACTOR_MAX,
+    LOAD_BOUND_SLACK_REQUESTS_MAX, PolicyKind, RETRIES_MAX,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -96,6 +97,11 @@ pub struct ServeArgs {
         default_value_t = 0.3
     )]
     pub offloaded_block_cost_fraction: f64,
+    /// Share of a token's prefill charged on top for each uncached prompt token, for the
+    /// cached block its insertion displaces once the rank's cache is full (conversations still
+    /// running there recompute what they lose). 0 = price a cold placement at its compute only.
+    #[arg(long, env = "KVROUTE_EVICTION_COST_FRACTION", default_value_t = DEFAULT_EVICTION_COST_FRACTION)]
+    pub eviction_cost_fraction: f64,
     /// Softmax temperature in milliseconds of estimated TTFT; 0 = always the cheapest rank.
     #[arg(long, env = "KVROUTE_TEMPERATURE", default_value_t = 0.0)]
     pub temperature: f64,
@@ -271,6 +277,11 @@ impl ServeArgs {
                 "--load-bound-factor must be within 0..={LOAD_BOUND_FACTOR_MAX} (0 = off)"
             ));
         }
+        if !(0.0..=EVICTION_COST_FRACTION_MAX).contains(&self.eviction_cost_fraction) {
+            return Err(format!(
+                "--eviction-cost-fraction must be within 0..={EVICTION_COST_FRACTION_MAX} (0 = off)"
+            ));
+        }
         if !(0.0..=LOAD_BOUND_SLACK_REQUESTS_MAX).contains(&self.load_bound_slack_requests) {
             return Err(format!(
                 "--load-bound-slack-requests must be within 0..={LOAD_BOUND_SLACK_REQUESTS_MAX}"
@@ -315,6 +326,7 @@ impl ServeArgs {
                 prefill_cost_us_per_token: self.prefill_cost_us_per_token,
                 decode_penalty_us_per_request: self.decode_penalty_us_per_request,
                 offloaded_block_cost_fraction: self.offloaded_block_cost_fraction,
+                eviction_cost_fraction: self.eviction_cost_fraction,
                 temperature_ms: self.temperature,
                 load_bound_factor: self.load_bound_factor,
                 load_bound_slack_requests: self.load_bound_slack_requests,
@@ -499,6 +511,29 @@ mod tests {
                 .err()
                 .unwrap_or_else(|| panic!("{flag} {bad} accepted"));
             assert!(err.contains(flag), "{flag} {bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_eviction_cost_flag_fills_the_weights_and_out_of_range_values_are_refused() {
+        let cfg = Cli::parse_from(["kvroute"]).serve.into_config().unwrap();
+        assert_eq!(
+            cfg.weights.eviction_cost_fraction,
+            DEFAULT_EVICTION_COST_FRACTION
+        );
+        let cfg = Cli::parse_from(["kvroute", "--eviction-cost-fraction", "0"])
+            .serve
+            .into_config()
+            .unwrap();
+        assert_eq!(cfg.weights.eviction_cost_fraction, 0.0);
+        for bad in ["-0.1", "NaN", "inf", "10.5"] {
+            let arg = format!("--eviction-cost-fraction={bad}");
+            let err = Cli::parse_from(["kvroute", arg.as_str()])
+                .serve
+                .into_config()
+                .err()
+                .unwrap_or_else(|| panic!("--eviction-cost-fraction {bad} accepted"));
+            assert!(err.contains("--eviction-cost-fraction"), "{bad}: {err}");
         }
     }
 

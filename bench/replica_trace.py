@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Where a replica-sweep row's slow requests come from.
+
+Reads the per-request trace of `kvroute-demo --replica-sweep --replica-trace-out PATH` and
+prints, per row (1 replica, 4 with sharing, ...), over all its rounds:
+
+* the requests slower than a threshold per round, split by kind (first turn of the opening
+  burst, first turn of a later conversation, later turn), the router's reason and whether the
+  engine reused at least half the prompt;
+* for later turns: how often the index predicted more than two blocks the engine did not reuse
+  (OVER-prediction: the blocks were evicted between the routing decision and the prefill, or
+  the index had not yet heard of their removal), and the gap between the TTFT and the cost the
+  router predicted (the queue the cost model did not see);
+* for a later turn that stayed on its conversation's rank: the prompt tokens the engine had to
+  compute on that rank between the conversation's two turns (what could evict its tail), for
+  the turns that kept their cached tail and for those that lost it.
+
+Usage: bench/replica_trace.py TRACE.jsonl [--slow-ms 75] [--burst 32]
+  --burst: conversations that start at once (the demo's concurrency).
+Standard library only.
+"""
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+
+OVER_TOKENS_MIN = 32  # two blocks of 16 tokens
+
+
+def field(decision, name):
+    for part in (decision or "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == name:
+            return value
+    return None
+
+
+def quantile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--slow-ms", type=float, default=75.0)
+    ap.add_argument("--burst", type=int, default=32)
+    args = ap.parse_args()
+
+    runs = collections.defaultdict(list)
+    with open(args.trace) as f:
+        for line in f:
+            r = json.loads(line)
+            if not r.get("decision"):
+                continue
+            r["rank"] = (field(r["decision"], "url"), field(r["decision"], "dp_rank"))
+            r["reason"] = field(r["decision"], "reason")
+            r["predicted"] = int(field(r["decision"], "matched_blocks") or 0) * 16
+            r["cost_ms"] = float(field(r["decision"], "cost_ms") or 0.0)
+            r["computed"] = max(0, r["prompt_tokens"] - r["cached_tokens"])
+            r["over"] = r["predicted"] - r["cached_tokens"] > OVER_TOKENS_MIN
+            runs[(r["row"], r["round"])].append(r)
+    if not runs:
+        sys.exit(f"{args.trace}: no request with a decision header")
+
+    rows = collections.defaultdict(lambda: collections.defaultdict(list))
+    for (row, _round), requests in runs.items():
+        out = rows[row]
+        out["rounds"].append(1)
+        by_conversation = collections.defaultdict(list)
+        by_rank = collections.defaultdict(list)
+        for r in requests:
+            by_conversation[r["conversation"]].append(r)
+            by_rank[r["rank"]].append(r)
+            if r["ttft_ms"] > args.slow_ms:
+                kind = (
+                    "burst first turn" if r["turn"] == 0 and r["conversation"] < args.burst
+                    else "later first turn" if r["turn"] == 0
+                    else "later turn"
+                )
+                reused = "hit" if r["cached_tokens"] >= r["prompt_tokens"] / 2 else "miss"
+                out["slow"].append((kind, r["reason"], reused))
+            if r["turn"] > 0:
+                out["later"].append(r)
+        for turns in by_conversation.values():
+            turns.sort(key=lambda r: r["turn"])
+            for before, after in zip(turns, turns[1:]):
+                if before["rank"] != after["rank"]:
+                    continue
+                computed_between = sum(
+                    x["computed"]
+                    for x in by_rank[after["rank"]]
+                    if before["sent_ms"] < x["sent_ms"] < after["sent_ms"]
+                )
+                out["lost" if after["over"] else "kept"].append(computed_between)
+
+    for row in sorted(rows):
+        out = rows[row]
+        n_rounds = len(out["rounds"])
+        later = out["later"]
+        print(f"== {row} ({n_rounds} rounds)")
+        print(f"  slower than {args.slow_ms:g} ms: {len(out['slow']) / n_rounds:.1f} per round")
+        for key, count in collections.Counter(out["slow"]).most_common(8):
+            print(f"    {count / n_rounds:5.1f}  {' / '.join(key)}")
+        if later:
+            over = sum(1 for r in later if r["over"])
+            gap = [r["ttft_ms"] - r["cost_ms"] for r in later]
+            print(
+                f"  later turns: {len(later)}; over-predicted by > 2 blocks {100 * over / len(later):.1f} %;"
+                f" TTFT - predicted cost p50 {quantile(gap, .5):.1f} / p90 {quantile(gap, .9):.1f}"
+                f" / p99 {quantile(gap, .99):.1f} ms"
+            )
+        for name in ("kept", "lost"):
+            v = out[name]
+            if v:
+                print(
+                    f"  stayed on its rank, tail {name}: {len(v)}; tokens computed on that rank"
+                    f" between the two turns median {statistics.median(v):.0f}, p90 {quantile(v, .9):.0f}"
+                )
+
+
+if __name__ == "__main__":
+    main()
