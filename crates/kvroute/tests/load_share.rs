@@ -300,7 +300,7 @@ async fn start_wedged_sibling(engine_url: String) -> String {
             let first = !served.swap(true, Ordering::SeqCst);
             let engine_url = engine_url.clone();
             async move {
-                let frame = format!("{{\"seq\":1,\"full\":[[\"{engine_url}\",0,5,0,0]]}}\n");
+                let frame = format!("{{\"seq\":1,\"full\":[[\"{engine_url}\",0,5,0,0,0]]}}\n");
                 let head = futures::stream::iter(
                     first.then(|| Ok::<_, std::convert::Infallible>(bytes::Bytes::from(frame))),
                 );

@@ -103,6 +103,7 @@ fn worker_json(router: &Router, w: &crate::control::registry::Worker) -> Value {
                 "dispatched_total": l.dispatched_total.load(Relaxed),
                 "sibling_in_flight": l.sibling_in_flight.load(Relaxed),
                 "sibling_queued_prefill_tokens": l.sibling_queued_prefill_tokens.load(Relaxed),
+                "prefill_backlog_us": l.fleet_prefill_backlog_us(crate::control::registry::clock_us()),
                 "engine_load": crate::control::engine_metrics::engine_load(
                     router, w, r as u32, crate::control::registry::clock_us())})
         })

@@ -38,13 +38,21 @@ pub struct RankLoad {
     /// arriving 50 ms into a 57 ms prefill was charged 57 ms of waiting; the backlog decays as
     /// time passes, and the cost model takes the smaller of the two estimates.
     pub prefill_busy_until_us: AtomicU64,
+    /// Prefill work (us, by the cost model) this router has ever sent the rank: a counter its
+    /// siblings difference between two frames to learn how much work it added, whatever frames
+    /// they missed (`crate::peer::load_share`).
+    pub prefill_dispatched_us: AtomicU64,
+    /// The rank's ONE prefill queue as this router knows it: its own work and the work its
+    /// siblings reported sending, merged on one virtual clock. This, not a sum of per-router
+    /// backlogs, is what the cost model reads: each router's own virtual clock drains as if the
+    /// rank worked only for it, so with N routers feeding a rank the sum of their backlogs
+    /// drains N times faster than the rank does, and a busy rank looks idle. Without siblings
+    /// it equals `prefill_busy_until_us`.
+    pub fleet_prefill_busy_until_us: AtomicU64,
     /// The siblings' bookings on this rank (`crate::peer::load_share`): written only by the
     /// load-share aggregator, read by the cost model next to the router's own counters.
     pub sibling_in_flight: AtomicI64,
     pub sibling_queued_prefill_tokens: AtomicI64,
-    /// When the siblings' prefill on this rank should be done, on this router's clock: the
-    /// sum of their remaining backlogs at the last aggregation, which then decays like ours.
-    pub sibling_prefill_busy_until_us: AtomicU64,
     /// vLLM's running and waiting requests on this rank from its `/metrics`, and when (on
     /// [`clock_us`], 0 = never) they were read (see `crate::control::engine_metrics`).
     pub engine_metrics_running: AtomicU64,
@@ -55,6 +63,14 @@ pub struct RankLoad {
     pub in_flight_gauge: std::sync::OnceLock<prometheus::IntGauge>,
 }
 
+/// A single server's queue on a virtual clock: work sent to an idle rank starts now, work sent
+/// to a busy one starts when the queued work ends.
+fn queue_after(busy_until_us: &AtomicU64, now_us: u64, work_us: u64) {
+    let _ = busy_until_us.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |until| {
+        Some(until.max(now_us).saturating_add(work_us))
+    });
+}
+
 /// Microseconds on the router's monotonic clock (its zero is the clock's first use).
 pub fn clock_us() -> u64 {
     static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
@@ -62,25 +78,30 @@ pub fn clock_us() -> u64 {
 }
 
 impl RankLoad {
-    /// Adds `work_us` of prefill to the rank's virtual queue at `now_us`.
+    /// Adds `work_us` of this router's prefill to the rank's virtual queues at `now_us`.
     pub fn reserve_prefill(&self, now_us: u64, work_us: u64) {
-        let _ = self.prefill_busy_until_us.fetch_update(
-            std::sync::atomic::Ordering::Relaxed,
-            std::sync::atomic::Ordering::Relaxed,
-            |until| Some(until.max(now_us).saturating_add(work_us)),
-        );
+        queue_after(&self.prefill_busy_until_us, now_us, work_us);
+        queue_after(&self.fleet_prefill_busy_until_us, now_us, work_us);
+        self.prefill_dispatched_us
+            .fetch_add(work_us, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// The siblings' prefill still queued on the rank at `now_us` (0 without load sharing).
-    pub fn sibling_prefill_backlog_us(&self, now_us: u64) -> u64 {
-        self.sibling_prefill_busy_until_us
+    /// Adds `work_us` a sibling reported sending the rank to the merged queue at `now_us`.
+    pub fn queue_sibling_prefill(&self, now_us: u64, work_us: u64) {
+        queue_after(&self.fleet_prefill_busy_until_us, now_us, work_us);
+    }
+
+    /// Prefill time of THIS router's work still queued on the rank at `now_us` (what it shares).
+    pub fn prefill_backlog_us(&self, now_us: u64) -> u64 {
+        self.prefill_busy_until_us
             .load(std::sync::atomic::Ordering::Relaxed)
             .saturating_sub(now_us)
     }
 
-    /// Prefill time still queued on the rank at `now_us` by the virtual-time estimate.
-    pub fn prefill_backlog_us(&self, now_us: u64) -> u64 {
-        self.prefill_busy_until_us
+    /// Prefill time still queued on the rank at `now_us`, this router's and its siblings' work
+    /// on one clock (what the cost model charges).
+    pub fn fleet_prefill_backlog_us(&self, now_us: u64) -> u64 {
+        self.fleet_prefill_busy_until_us
             .load(std::sync::atomic::Ordering::Relaxed)
             .saturating_sub(now_us)
     }
@@ -461,6 +482,35 @@ mod rank_load_tests {
         // An idle rank's next work starts now, not at the old finish time.
         load.reserve_prefill(10_000, 300);
         assert_eq!(load.prefill_backlog_us(10_000), 300);
+        assert_eq!(
+            load.prefill_dispatched_us.load(Ordering::Relaxed),
+            1_300,
+            "every reservation counts in the dispatched total, drained or not"
+        );
+        assert_eq!(
+            load.fleet_prefill_backlog_us(10_000),
+            300,
+            "no sibling: same queue"
+        );
+    }
+
+    #[test]
+    fn sibling_work_queues_behind_ours_on_one_clock_so_the_rank_drains_at_its_own_pace() {
+        let load = RankLoad::default();
+        // Two routers each send 50 ms at t=0: the rank is busy until 100 ms.
+        load.reserve_prefill(0, 50_000);
+        load.queue_sibling_prefill(0, 50_000);
+        assert_eq!(load.prefill_backlog_us(25_000), 25_000, "ours alone");
+        assert_eq!(
+            load.fleet_prefill_backlog_us(25_000),
+            75_000,
+            "two separately draining backlogs would say 50 ms here"
+        );
+        assert_eq!(load.fleet_prefill_backlog_us(100_000), 0);
+        // Sibling work reported while the rank is idle starts at the report.
+        load.queue_sibling_prefill(200_000, 10_000);
+        assert_eq!(load.fleet_prefill_backlog_us(205_000), 5_000);
+        assert_eq!(load.prefill_backlog_us(205_000), 0, "not ours");
     }
 }
 

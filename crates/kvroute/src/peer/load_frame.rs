@@ -21,19 +21,29 @@
 //! are a few hundred bytes; a delta names only what changed):
 //!
 //! ```text
-//! {"seq":1,"full":[["http://engine-0:8000",0,3,1800,5400],["http://engine-0:8000",1,0,0,0]]}
-//! {"seq":2,"delta":[[1,1,600,1200]]}
+//! {"seq":1,"full":[["http://engine-0:8000",0,3,1800,5400,90000],["http://engine-0:8000",1,0,0,0,0]]}
+//! {"seq":2,"delta":[[1,1,600,1200,1200]]}
 //! {"seq":3,"delta":[]}                        <- heartbeat
 //! ```
 //!
-//! A `full` entry is `[worker_url, dp_rank, in_flight, queued_prefill_tokens, prefill_backlog_us]`,
-//! a delta entry `[index, in_flight, queued_prefill_tokens, prefill_backlog_us]`. The backlog is
-//! sent as time REMAINING at the send, since two replicas' monotonic clocks share no zero.
+//! A `full` entry is `[worker_url, dp_rank, in_flight, queued_prefill_tokens, prefill_backlog_us,
+//! prefill_dispatched_us]`, a delta entry the same from `in_flight` on, after the rank's index.
+//! The backlog is sent as time REMAINING at the send, since two replicas' monotonic clocks share
+//! no zero. `prefill_dispatched_us` is the prefill work the sender has EVER sent the rank, a
+//! counter: the follower queues the difference between two frames behind its own work on the
+//! rank's one virtual clock ([`DispatchedWork`]). Summing the senders' backlogs instead would
+//! drain the rank N times too fast with N senders (each backlog drains as if the rank worked
+//! for its sender alone). A counter, not "work since the last frame", so a lost frame loses
+//! nothing. Entries of the older five-field form (no counter) are refused as malformed: a
+//! follower that cannot place a sibling's work on the rank's clock would underestimate it.
 //! With `--internal-auth-token-file`, each line is prefixed by the HMAC-SHA256 of its JSON under
 //! the token (64 hex digits and a space), like the binary snapshot: a frame is authenticated even
 //! if a proxy in between terminates TLS, and a follower with a token refuses unsigned lines.
 
+use std::collections::HashMap;
+
 use hmac::{Hmac, KeyInit, Mac};
+use kvroute_discovery::PeerUrl;
 use sha2::Sha256;
 
 /// Longest frame line accepted (MAC and newline included). A full frame costs about 50 bytes
@@ -69,6 +79,8 @@ pub struct RankBookings {
     pub queued_prefill_tokens: u64,
     /// Prefill time still queued at the send, by the sender's virtual clock.
     pub prefill_backlog_us: u64,
+    /// Prefill work (us) the sender has ever sent the rank (`RankLoad::prefill_dispatched_us`).
+    pub prefill_dispatched_us: u64,
 }
 
 impl RankBookings {
@@ -77,6 +89,8 @@ impl RankBookings {
             in_flight: self.in_flight.min(LOAD_FRAME_COUNT_MAX),
             queued_prefill_tokens: self.queued_prefill_tokens.min(LOAD_FRAME_COUNT_MAX),
             prefill_backlog_us: self.prefill_backlog_us.min(LOAD_FRAME_BACKLOG_US_MAX),
+            // A counter: only differences are used, and each is clamped where it is taken.
+            prefill_dispatched_us: self.prefill_dispatched_us,
         }
     }
 }
@@ -148,10 +162,11 @@ pub enum FrameError {
     TooManyRanks { count: usize },
 }
 
-/// A full frame's entry on the wire: `[worker_url, dp_rank, in_flight, queued, backlog_us]`.
-type WireRank = (String, u32, u64, u64, u64);
-/// A delta entry: `[index, in_flight, queued, backlog_us]`.
-type WireChange = (u32, u64, u64, u64);
+/// A full frame's entry on the wire:
+/// `[worker_url, dp_rank, in_flight, queued, backlog_us, dispatched_us]`.
+type WireRank = (String, u32, u64, u64, u64, u64);
+/// A delta entry: `[index, in_flight, queued, backlog_us, dispatched_us]`.
+type WireChange = (u32, u64, u64, u64, u64);
 /// A shared pending prefix: `[model, worker_url, dp_rank, [block hashes]]`.
 type WirePending = (String, String, u32, Vec<u64>);
 
@@ -240,6 +255,7 @@ pub fn encode_line(frame: &BookingFrame, mac_key: Option<&[u8]>) -> Vec<u8> {
                             b.in_flight,
                             b.queued_prefill_tokens,
                             b.prefill_backlog_us,
+                            b.prefill_dispatched_us,
                         )
                     })
                     .collect(),
@@ -264,6 +280,7 @@ pub fn encode_line(frame: &BookingFrame, mac_key: Option<&[u8]>) -> Vec<u8> {
                             b.in_flight,
                             b.queued_prefill_tokens,
                             b.prefill_backlog_us,
+                            b.prefill_dispatched_us,
                         )
                     })
                     .collect(),
@@ -344,12 +361,13 @@ pub fn decode_line(line: &[u8], mac_key: Option<&[u8]>) -> Result<BookingFrame, 
                 return Err(FrameError::TooManyRanks { count: full.len() });
             }
             let mut ranks = Vec::with_capacity(full.len());
-            for (url, dp_rank, in_flight, queued, backlog) in full {
+            for (url, dp_rank, in_flight, queued, backlog, dispatched) in full {
                 check_url(&url)?;
                 let bookings = RankBookings {
                     in_flight,
                     queued_prefill_tokens: queued,
                     prefill_backlog_us: backlog,
+                    prefill_dispatched_us: dispatched,
                 };
                 ranks.push((
                     RankKey {
@@ -373,11 +391,12 @@ pub fn decode_line(line: &[u8], mac_key: Option<&[u8]>) -> Result<BookingFrame, 
                 seq: wire.seq,
                 changes: delta
                     .into_iter()
-                    .map(|(i, in_flight, queued, backlog)| {
+                    .map(|(i, in_flight, queued, backlog, dispatched)| {
                         let bookings = RankBookings {
                             in_flight,
                             queued_prefill_tokens: queued,
                             prefill_backlog_us: backlog,
+                            prefill_dispatched_us: dispatched,
                         };
                         (i, bookings.clamped())
                     })
@@ -398,6 +417,7 @@ pub struct HeldBookings {
     pub in_flight: u64,
     pub queued_prefill_tokens: u64,
     pub prefill_busy_until_us: u64,
+    pub prefill_dispatched_us: u64,
 }
 
 impl HeldBookings {
@@ -406,6 +426,7 @@ impl HeldBookings {
             in_flight: b.in_flight,
             queued_prefill_tokens: b.queued_prefill_tokens,
             prefill_busy_until_us: received_us.saturating_add(b.prefill_backlog_us),
+            prefill_dispatched_us: b.prefill_dispatched_us,
         }
     }
 }
@@ -485,14 +506,61 @@ impl SiblingBookings {
     }
 }
 
+/// The follower's reading of its siblings' dispatched counters: the prefill work each sibling
+/// added on each rank since the previous reading, for the aggregator to queue behind the work
+/// already on that rank's one virtual clock (`RankLoad::queue_sibling_prefill`).
+#[derive(Debug, Default)]
+pub struct DispatchedWork {
+    /// The counter last read per (sibling, rank).
+    read: HashMap<(PeerUrl, RankKey), u64>,
+}
+
+impl DispatchedWork {
+    /// Work (us) each rank gained from the siblings in `tables` since the previous call (ranks
+    /// that gained none are left out).
+    ///
+    /// A (sibling, rank) read for the first time contributes its REMAINING backlog at `now_us`,
+    /// not its counter: what it sent before is drained or still in that backlog. That covers a
+    /// new sibling, one back from silence (pairs absent from a call are forgotten) and one that
+    /// restarted (its counter went back). Each contribution is clamped to
+    /// [`LOAD_FRAME_BACKLOG_US_MAX`], so a hostile counter cannot park a rank for ever.
+    pub fn take<'a>(
+        &mut self,
+        tables: impl IntoIterator<Item = (&'a PeerUrl, &'a SiblingBookings)>,
+        now_us: u64,
+    ) -> HashMap<RankKey, u64> {
+        let mut added: HashMap<RankKey, u64> = HashMap::new();
+        let mut read = HashMap::with_capacity(self.read.len());
+        for (peer, table) in tables {
+            for (key, held) in &table.ranks {
+                let pair = (peer.clone(), key.clone());
+                let work = match self.read.get(&pair) {
+                    Some(&before) if held.prefill_dispatched_us >= before => {
+                        held.prefill_dispatched_us - before
+                    }
+                    _ => held.prefill_busy_until_us.saturating_sub(now_us),
+                };
+                read.insert(pair, held.prefill_dispatched_us);
+                if work > 0 {
+                    let sum = added.entry(key.clone()).or_default();
+                    *sum = sum.saturating_add(work.min(LOAD_FRAME_BACKLOG_US_MAX));
+                }
+            }
+        }
+        self.read = read;
+        added
+    }
+}
+
 /// What the sender remembers between frames to emit deltas (see [`FrameSender::next_frame`]).
 #[derive(Debug, Default)]
 pub struct FrameSender {
     keys: Vec<RankKey>,
-    /// Per rank: in-flight, queued tokens and the sender-clock virtual finish time, the values
-    /// whose change makes a rank part of the next delta (the backlog itself decays every
-    /// microsecond, so comparing it would send every rank every time).
-    sent: Vec<(u64, u64, u64)>,
+    /// Per rank: in-flight, queued tokens, the sender-clock virtual finish time and the
+    /// dispatched counter, the values whose change makes a rank part of the next delta (the
+    /// backlog itself decays every microsecond, so comparing it would send every rank every
+    /// time).
+    sent: Vec<(u64, u64, u64, u64)>,
     next_seq: u64,
     last_sent_us: Option<u64>,
 }
@@ -505,6 +573,20 @@ pub struct OwnRank {
     pub queued_prefill_tokens: u64,
     /// Virtual prefill finish time on the sender's clock.
     pub prefill_busy_until_us: u64,
+    /// Prefill work ever sent to the rank (`RankLoad::prefill_dispatched_us`).
+    pub prefill_dispatched_us: u64,
+}
+
+impl OwnRank {
+    /// The values a delta is sent for when they change.
+    fn compared(&self) -> (u64, u64, u64, u64) {
+        (
+            self.in_flight,
+            self.queued_prefill_tokens,
+            self.prefill_busy_until_us,
+            self.prefill_dispatched_us,
+        )
+    }
 }
 
 impl FrameSender {
@@ -519,20 +601,12 @@ impl FrameSender {
         heartbeat_us: u64,
         pending: Vec<SharedPending>,
     ) -> Option<BookingFrame> {
-        let values: Vec<(u64, u64, u64)> = ranks
-            .iter()
-            .map(|r| {
-                (
-                    r.in_flight,
-                    r.queued_prefill_tokens,
-                    r.prefill_busy_until_us,
-                )
-            })
-            .collect();
+        let values: Vec<(u64, u64, u64, u64)> = ranks.iter().map(OwnRank::compared).collect();
         let bookings = |r: &OwnRank| RankBookings {
             in_flight: r.in_flight,
             queued_prefill_tokens: r.queued_prefill_tokens,
             prefill_backlog_us: r.prefill_busy_until_us.saturating_sub(now_us),
+            prefill_dispatched_us: r.prefill_dispatched_us,
         };
         let same_ranks = self.last_sent_us.is_some()
             && self.keys.len() == ranks.len()
@@ -550,13 +624,7 @@ impl FrameSender {
                 .iter()
                 .zip(&self.sent)
                 .enumerate()
-                .filter(|(_, (r, sent))| {
-                    (
-                        r.in_flight,
-                        r.queued_prefill_tokens,
-                        r.prefill_busy_until_us,
-                    ) != **sent
-                })
+                .filter(|(_, (r, sent))| r.compared() != **sent)
                 .map(|(i, (r, _))| (i as u32, bookings(r)))
                 .collect();
             let heartbeat_due = self
@@ -595,6 +663,7 @@ mod tests {
             in_flight,
             queued_prefill_tokens: queued,
             prefill_busy_until_us: until,
+            prefill_dispatched_us: until,
         }
     }
 
@@ -610,6 +679,7 @@ mod tests {
                     in_flight: 3,
                     queued_prefill_tokens: 1800,
                     prefill_backlog_us: 5400,
+                    prefill_dispatched_us: 90_000,
                 },
             )],
             pending: vec![],
@@ -701,7 +771,9 @@ mod tests {
             b"{\"seq\":1,\"full\":[],\"delta\":[]}",
             b"{\"seq\":-1,\"delta\":[]}",
             b"{\"seq\":1,\"delta\":[[0,1,2]]}",
-            b"{\"seq\":1,\"full\":[[\"\",0,0,0,0]]}",
+            b"{\"seq\":1,\"full\":[[\"\",0,0,0,0,0]]}",
+            // The five-field form of older replicas, without the dispatched counter.
+            b"{\"seq\":1,\"full\":[[\"http://a\",0,0,0,0]]}",
             b"{\"seq\":1,\"delta\":[],\"extra\":1}",
         ] {
             assert!(
@@ -716,7 +788,7 @@ mod tests {
             Err(FrameError::TooLarge { .. })
         ));
         let many: Vec<String> = (0..=LOAD_FRAME_RANKS_MAX)
-            .map(|i| format!("[{i},0,0,0]"))
+            .map(|i| format!("[{i},0,0,0,0]"))
             .collect();
         let line = format!("{{\"seq\":1,\"delta\":[{}]}}", many.join(","));
         assert_eq!(
@@ -730,7 +802,8 @@ mod tests {
     #[test]
     fn figures_beyond_their_bounds_are_clamped_not_trusted() {
         let line = format!(
-            "{{\"seq\":1,\"delta\":[[0,{},{},{}]]}}",
+            "{{\"seq\":1,\"delta\":[[0,{},{},{},{}]]}}",
+            u64::MAX,
             u64::MAX,
             u64::MAX,
             u64::MAX
@@ -744,6 +817,7 @@ mod tests {
                 in_flight: LOAD_FRAME_COUNT_MAX,
                 queued_prefill_tokens: LOAD_FRAME_COUNT_MAX,
                 prefill_backlog_us: LOAD_FRAME_BACKLOG_US_MAX,
+                prefill_dispatched_us: u64::MAX,
             }
         );
     }
@@ -760,6 +834,7 @@ mod tests {
                         in_flight: 2,
                         queued_prefill_tokens: 100,
                         prefill_backlog_us: 500,
+                        prefill_dispatched_us: 700,
                     },
                 ),
                 (key("http://a", 1), RankBookings::default()),
@@ -779,6 +854,7 @@ mod tests {
                     in_flight: 1,
                     queued_prefill_tokens: 50,
                     prefill_backlog_us: 10,
+                    prefill_dispatched_us: 30,
                 },
             )],
             pending: vec![],
@@ -790,7 +866,8 @@ mod tests {
             HeldBookings {
                 in_flight: 1,
                 queued_prefill_tokens: 50,
-                prefill_busy_until_us: 2_010
+                prefill_busy_until_us: 2_010,
+                prefill_dispatched_us: 30,
             }
         );
         assert_eq!(table.heard_at_us, 2_000);
@@ -893,6 +970,89 @@ mod tests {
         );
         table.apply(full(1, 1), 30).unwrap();
         assert_eq!(table.ranks[0].1.in_flight, 1);
+    }
+
+    /// A follower's table of one sibling holding `ranks` as (dp_rank, backlog_us at `now_us`,
+    /// dispatched counter).
+    fn table_of(ranks: &[(u32, u64, u64)], now_us: u64) -> SiblingBookings {
+        let mut table = SiblingBookings::default();
+        let full = BookingFrame::Full {
+            seq: 1,
+            ranks: ranks
+                .iter()
+                .map(|&(dp, backlog, dispatched)| {
+                    (
+                        key("http://e", dp),
+                        RankBookings {
+                            prefill_backlog_us: backlog,
+                            prefill_dispatched_us: dispatched,
+                            ..RankBookings::default()
+                        },
+                    )
+                })
+                .collect(),
+            pending: vec![],
+        };
+        table.apply(full, now_us).unwrap();
+        table
+    }
+
+    fn peer(url: &str) -> PeerUrl {
+        PeerUrl::parse(url).expect("a peer URL")
+    }
+
+    #[test]
+    fn a_siblings_new_work_is_the_difference_of_its_counter_between_readings() {
+        let (a, b) = (peer("http://10.0.0.1:9000"), peer("http://10.0.0.2:9000"));
+        let mut work = DispatchedWork::default();
+        // First reading: what is still queued, not the whole counter (the rest has drained).
+        let first = work.take([(&a, &table_of(&[(0, 4_000, 90_000)], 1_000))], 1_000);
+        assert_eq!(first.get(&key("http://e", 0)), Some(&4_000));
+        // Its counter grew by 1,500 (even if frames were lost in between): that is the new work.
+        let second = work.take([(&a, &table_of(&[(0, 3_000, 91_500)], 2_000))], 2_000);
+        assert_eq!(second.get(&key("http://e", 0)), Some(&1_500));
+        // No new work: the rank is left out.
+        let third = work.take([(&a, &table_of(&[(0, 2_000, 91_500)], 3_000))], 3_000);
+        assert!(third.is_empty(), "{third:?}");
+        // Two siblings on one rank add up; the second is read for the first time.
+        let both = work.take(
+            [
+                (&a, &table_of(&[(0, 1_000, 92_000)], 4_000)),
+                (&b, &table_of(&[(0, 700, 5_000)], 4_000)),
+            ],
+            4_000,
+        );
+        assert_eq!(both.get(&key("http://e", 0)), Some(&(500 + 700)));
+    }
+
+    #[test]
+    fn a_sibling_back_from_silence_or_restarted_counts_its_backlog_not_its_counter() {
+        let a = peer("http://10.0.0.1:9000");
+        let mut work = DispatchedWork::default();
+        work.take([(&a, &table_of(&[(0, 0, 50_000)], 0))], 0);
+        // Silent for a reading (left out as stale): forgotten.
+        assert!(work.take([], 10_000).is_empty());
+        let back = work.take([(&a, &table_of(&[(0, 2_000, 80_000)], 20_000))], 20_000);
+        assert_eq!(
+            back.get(&key("http://e", 0)),
+            Some(&2_000),
+            "the 30 ms of work sent while unheard has drained or is in the backlog"
+        );
+        // Restarted: its counter went back.
+        let restarted = work.take([(&a, &table_of(&[(0, 600, 900)], 30_000))], 30_000);
+        assert_eq!(restarted.get(&key("http://e", 0)), Some(&600));
+    }
+
+    #[test]
+    fn a_hostile_counter_jump_is_clamped_to_the_largest_backlog() {
+        let a = peer("http://10.0.0.1:9000");
+        let mut work = DispatchedWork::default();
+        work.take([(&a, &table_of(&[(0, 0, 0)], 0))], 0);
+        let jump = work.take([(&a, &table_of(&[(0, 0, u64::MAX)], 10))], 10);
+        assert_eq!(
+            jump.get(&key("http://e", 0)),
+            Some(&LOAD_FRAME_BACKLOG_US_MAX)
+        );
     }
 
     #[test]

@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 use crate::control::registry::{RankLoad, Worker, clock_us};
 use crate::control::router::Router;
 use crate::peer::load_frame::{
-    FrameSender, LOAD_FRAME_MAX_BYTES, LOAD_FRAME_PENDING_MAX, OwnRank, RankKey, SharedPending,
-    decode_line, encode_line,
+    DispatchedWork, FrameSender, LOAD_FRAME_MAX_BYTES, LOAD_FRAME_PENDING_MAX, OwnRank, RankKey,
+    SharedPending, decode_line, encode_line,
 };
 use crate::peer::load_share::{
     LOAD_BOOKINGS_CONTENT_TYPE, LOAD_BOOKINGS_PATH, LOAD_SHARE_CONNECT_TIMEOUT_MS,
@@ -42,6 +42,7 @@ fn own_ranks(workers: &[Arc<Worker>]) -> Vec<OwnRank> {
                 queued_prefill_tokens: load.queued_prefill_tokens.load(Ordering::Relaxed).max(0)
                     as u64,
                 prefill_busy_until_us: load.prefill_busy_until_us.load(Ordering::Relaxed),
+                prefill_dispatched_us: load.prefill_dispatched_us.load(Ordering::Relaxed),
             });
         }
     }
@@ -326,7 +327,9 @@ fn refused(router: &Router) {
 
 /// The one writer of every rank's `sibling_*` load: recomputes the sums from the fresh tables
 /// when a reader changed one, and at least every quarter of the staleness bound (so a silent
-/// sibling's bookings leave the sums on time).
+/// sibling's bookings leave the sums on time); and the one that queues the siblings' new
+/// prefill work on each rank's merged clock (a silent sibling's queued work then drains there
+/// like any other).
 async fn aggregate(router: Arc<Router>) {
     let share = &router.load_share;
     let stale_us = router.config.load_share.stale_ms * 1_000;
@@ -334,6 +337,7 @@ async fn aggregate(router: Arc<Router>) {
         (router.config.load_share.stale_ms / 4).max(1),
     ));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut dispatched = DispatchedWork::default();
     loop {
         tokio::select! {
             _ = router.shutdown.cancelled() => return,
@@ -344,25 +348,37 @@ async fn aggregate(router: Arc<Router>) {
         let mut fresh_siblings = 0i64;
         {
             let tables = share.tables.lock();
-            let mut sums: HashMap<(&str, u32), (u64, u64, u64)> = HashMap::new();
-            for table in tables.values().filter(|t| t.is_fresh(now, stale_us)) {
+            let fresh = || tables.iter().filter(|(_, t)| t.is_fresh(now, stale_us));
+            let mut sums: HashMap<(&str, u32), (u64, u64)> = HashMap::new();
+            for (_, table) in fresh() {
                 fresh_siblings += 1;
                 for (key, held) in &table.ranks {
                     let entry = sums.entry((&*key.worker_url, key.dp_rank)).or_default();
                     entry.0 = entry.0.saturating_add(held.in_flight);
                     entry.1 = entry.1.saturating_add(held.queued_prefill_tokens);
-                    entry.2 = entry
-                        .2
-                        .saturating_add(held.prefill_busy_until_us.saturating_sub(now));
                 }
             }
-            for w in router.registry.workers() {
+            let workers = router.registry.workers();
+            for w in &workers {
                 for (dp, load) in w.ranks.iter().enumerate() {
-                    let (in_flight, queued, backlog_us) = sums
+                    let (in_flight, queued) = sums
                         .get(&(w.url.as_str(), dp as u32))
                         .copied()
                         .unwrap_or_default();
-                    store_sibling_load(load, in_flight, queued, now.saturating_add(backlog_us));
+                    store_sibling_load(load, in_flight, queued);
+                }
+            }
+            let added = dispatched.take(fresh(), now);
+            if !added.is_empty() {
+                let by_url: HashMap<&str, &Arc<Worker>> =
+                    workers.iter().map(|w| (w.url.as_str(), w)).collect();
+                for (key, work_us) in added {
+                    if let Some(load) = by_url
+                        .get(&*key.worker_url)
+                        .and_then(|w| w.ranks.get(key.dp_rank as usize))
+                    {
+                        load.queue_sibling_prefill(now, work_us);
+                    }
                 }
             }
         }
@@ -370,11 +386,9 @@ async fn aggregate(router: Arc<Router>) {
     }
 }
 
-fn store_sibling_load(load: &RankLoad, in_flight: u64, queued: u64, busy_until_us: u64) {
+fn store_sibling_load(load: &RankLoad, in_flight: u64, queued: u64) {
     load.sibling_in_flight
         .store(in_flight.min(i64::MAX as u64) as i64, Ordering::Relaxed);
     load.sibling_queued_prefill_tokens
         .store(queued.min(i64::MAX as u64) as i64, Ordering::Relaxed);
-    load.sibling_prefill_busy_until_us
-        .store(busy_until_us, Ordering::Relaxed);
 }

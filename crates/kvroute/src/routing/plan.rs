@@ -159,9 +159,7 @@ impl Router {
                                 .load(Ordering::Relaxed)
                                 .max(0)
                                 + load.sibling_queued_prefill_tokens.load(Ordering::Relaxed),
-                            prefill_backlog_us: (load.prefill_backlog_us(now_us)
-                                + load.sibling_prefill_backlog_us(now_us))
-                                as f64,
+                            prefill_backlog_us: load.fleet_prefill_backlog_us(now_us) as f64,
                             engine: crate::control::engine_metrics::engine_load_given(
                                 self, w, r as u32, now_us, pushed,
                             ),
