@@ -41,9 +41,9 @@
 //! if a proxy in between terminates TLS, and a follower with a token refuses unsigned lines.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 
 use hmac::{Hmac, KeyInit, Mac};
-use kvroute_discovery::PeerUrl;
 use sha2::Sha256;
 
 /// Longest frame line accepted (MAC and newline included). A full frame costs about 50 bytes
@@ -508,14 +508,23 @@ impl SiblingBookings {
 
 /// The follower's reading of its siblings' dispatched counters: the prefill work each sibling
 /// added on each rank since the previous reading, for the aggregator to queue behind the work
-/// already on that rank's one virtual clock (`RankLoad::queue_sibling_prefill`).
-#[derive(Debug, Default)]
-pub struct DispatchedWork {
+/// already on that rank's one virtual clock (`RankLoad::queue_sibling_prefill`). Generic over
+/// how a sibling is named (the service uses its peer URL), so this module needs no other crate.
+#[derive(Debug)]
+pub struct DispatchedWork<Sibling> {
     /// The counter last read per (sibling, rank).
-    read: HashMap<(PeerUrl, RankKey), u64>,
+    read: HashMap<(Sibling, RankKey), u64>,
 }
 
-impl DispatchedWork {
+impl<Sibling> Default for DispatchedWork<Sibling> {
+    fn default() -> Self {
+        DispatchedWork {
+            read: HashMap::new(),
+        }
+    }
+}
+
+impl<Sibling: Eq + Hash + Clone> DispatchedWork<Sibling> {
     /// Work (us) each rank gained from the siblings in `tables` since the previous call (ranks
     /// that gained none are left out).
     ///
@@ -526,9 +535,12 @@ impl DispatchedWork {
     /// [`LOAD_FRAME_BACKLOG_US_MAX`], so a hostile counter cannot park a rank for ever.
     pub fn take<'a>(
         &mut self,
-        tables: impl IntoIterator<Item = (&'a PeerUrl, &'a SiblingBookings)>,
+        tables: impl IntoIterator<Item = (&'a Sibling, &'a SiblingBookings)>,
         now_us: u64,
-    ) -> HashMap<RankKey, u64> {
+    ) -> HashMap<RankKey, u64>
+    where
+        Sibling: 'a,
+    {
         let mut added: HashMap<RankKey, u64> = HashMap::new();
         let mut read = HashMap::with_capacity(self.read.len());
         for (peer, table) in tables {
@@ -997,8 +1009,8 @@ mod tests {
         table
     }
 
-    fn peer(url: &str) -> PeerUrl {
-        PeerUrl::parse(url).expect("a peer URL")
+    fn peer(url: &str) -> String {
+        url.to_string()
     }
 
     #[test]
