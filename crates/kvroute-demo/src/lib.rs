@@ -80,15 +80,15 @@ const SERVED_STATS_MAX_BYTES: usize = 256 * 1024;
 pub const SYSTEM_PROMPT_SKEW_MAX: f64 = 16.0;
 
 pub(crate) fn parse_skew(raw: &str) -> Result<f64, String> {
-    let v: f64 = raw.parse().map_err(|e| format!("not a number: {e}"))?;
-    if !(0.0..=SYSTEM_PROMPT_SKEW_MAX).contains(&v) {
-        return Err(format!("must be within 0..={SYSTEM_PROMPT_SKEW_MAX}"));
-    }
-    Ok(v)
+    parse_within(raw, SYSTEM_PROMPT_SKEW_MAX)
 }
 
 pub(crate) fn parse_eviction_cost_fraction(raw: &str) -> Result<f64, String> {
-    let max = kvroute::routing::policy::EVICTION_COST_FRACTION_MAX;
+    parse_within(raw, kvroute::routing::policy::EVICTION_COST_FRACTION_MAX)
+}
+
+/// A number within `0..=max` (NaN is refused: it is within no range).
+fn parse_within(raw: &str, max: f64) -> Result<f64, String> {
     let v: f64 = raw.parse().map_err(|e| format!("not a number: {e}"))?;
     if !(0.0..=max).contains(&v) {
         return Err(format!("must be within 0..={max}"));

@@ -512,14 +512,18 @@ impl SiblingBookings {
 /// how a sibling is named (the service uses its peer URL), so this module needs no other crate.
 #[derive(Debug)]
 pub struct DispatchedWork<Sibling> {
-    /// The counter last read per (sibling, rank).
-    read: HashMap<(Sibling, RankKey), u64>,
+    /// Per sibling and rank: the counter last read, and the reading that read it. Nested by
+    /// sibling so a reading looks entries up by reference and allocates only for a rank it has
+    /// not seen before (the aggregator reads on every frame of every sibling).
+    read: HashMap<Sibling, HashMap<RankKey, (u64, u64)>>,
+    reading: u64,
 }
 
 impl<Sibling> Default for DispatchedWork<Sibling> {
     fn default() -> Self {
         DispatchedWork {
             read: HashMap::new(),
+            reading: 0,
         }
     }
 }
@@ -541,25 +545,41 @@ impl<Sibling: Eq + Hash + Clone> DispatchedWork<Sibling> {
     where
         Sibling: 'a,
     {
+        self.reading = self.reading.wrapping_add(1);
+        let reading = self.reading;
         let mut added: HashMap<RankKey, u64> = HashMap::new();
-        let mut read = HashMap::with_capacity(self.read.len());
-        for (peer, table) in tables {
+        for (sibling, table) in tables {
+            if !self.read.contains_key(sibling) {
+                self.read.insert(sibling.clone(), HashMap::new());
+            }
+            let Some(last) = self.read.get_mut(sibling) else {
+                continue;
+            };
             for (key, held) in &table.ranks {
-                let pair = (peer.clone(), key.clone());
-                let work = match self.read.get(&pair) {
-                    Some(&before) if held.prefill_dispatched_us >= before => {
-                        held.prefill_dispatched_us - before
+                let counter = held.prefill_dispatched_us;
+                let first_sight = || held.prefill_busy_until_us.saturating_sub(now_us);
+                let work = match last.get_mut(key) {
+                    Some(entry) => {
+                        let work = counter.checked_sub(entry.0).unwrap_or_else(first_sight);
+                        *entry = (counter, reading);
+                        work
                     }
-                    _ => held.prefill_busy_until_us.saturating_sub(now_us),
+                    None => {
+                        last.insert(key.clone(), (counter, reading));
+                        first_sight()
+                    }
                 };
-                read.insert(pair, held.prefill_dispatched_us);
                 if work > 0 {
                     let sum = added.entry(key.clone()).or_default();
                     *sum = sum.saturating_add(work.min(LOAD_FRAME_BACKLOG_US_MAX));
                 }
             }
         }
-        self.read = read;
+        // Forget what this reading did not see, so it counts as new when it is back.
+        self.read.retain(|_, ranks| {
+            ranks.retain(|_, &mut (_, seen)| seen == reading);
+            !ranks.is_empty()
+        });
         added
     }
 }

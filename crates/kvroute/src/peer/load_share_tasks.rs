@@ -349,7 +349,10 @@ async fn aggregate(router: Arc<Router>) {
         {
             let tables = share.tables.lock();
             let fresh = || tables.iter().filter(|(_, t)| t.is_fresh(now, stale_us));
-            let mut sums: HashMap<(&str, u32), (u64, u64)> = HashMap::new();
+            let added = dispatched.take(fresh(), now);
+            // Per rank: the siblings' in-flight requests, queued prefill tokens, and prefill
+            // work new since the last aggregation.
+            let mut sums: HashMap<(&str, u32), (u64, u64, u64)> = HashMap::new();
             for (_, table) in fresh() {
                 fresh_siblings += 1;
                 for (key, held) in &table.ranks {
@@ -358,26 +361,18 @@ async fn aggregate(router: Arc<Router>) {
                     entry.1 = entry.1.saturating_add(held.queued_prefill_tokens);
                 }
             }
-            let workers = router.registry.workers();
-            for w in &workers {
+            for (key, &work_us) in &added {
+                sums.entry((&*key.worker_url, key.dp_rank)).or_default().2 = work_us;
+            }
+            for w in router.registry.workers() {
                 for (dp, load) in w.ranks.iter().enumerate() {
-                    let (in_flight, queued) = sums
+                    let (in_flight, queued, new_work_us) = sums
                         .get(&(w.url.as_str(), dp as u32))
                         .copied()
                         .unwrap_or_default();
                     store_sibling_load(load, in_flight, queued);
-                }
-            }
-            let added = dispatched.take(fresh(), now);
-            if !added.is_empty() {
-                let by_url: HashMap<&str, &Arc<Worker>> =
-                    workers.iter().map(|w| (w.url.as_str(), w)).collect();
-                for (key, work_us) in added {
-                    if let Some(load) = by_url
-                        .get(&*key.worker_url)
-                        .and_then(|w| w.ranks.get(key.dp_rank as usize))
-                    {
-                        load.queue_sibling_prefill(now, work_us);
+                    if new_work_us > 0 {
+                        load.queue_sibling_prefill(now, new_work_us);
                     }
                 }
             }
