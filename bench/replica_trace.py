@@ -13,7 +13,13 @@ prints, per row (1 replica, 4 with sharing, ...), over all its rounds:
   router predicted (the queue the cost model did not see);
 * for a later turn that stayed on its conversation's rank: the prompt tokens the engine had to
   compute on that rank between the conversation's two turns (what could evict its tail), for
-  the turns that kept their cached tail and for those that lost it.
+  the turns that kept their cached tail and for those that lost it;
+* for first turns the engine mostly computed (it reused less than half the prompt): whether
+  their system prompt had been sent anywhere before in the round, and if so how long before and
+  to which rank, and what the router predicted for the rank it chose. A cold first turn that
+  follows its prompt's previous placement on another rank within a few milliseconds is two
+  routers racing; one that follows it by longer is a copy the cost model chose, or a prompt
+  that every rank had evicted.
 
 Usage: bench/replica_trace.py TRACE.jsonl [--slow-ms 75] [--burst 32]
   --burst: conversations that start at once (the demo's concurrency).
@@ -69,6 +75,21 @@ def main():
     for (row, _round), requests in runs.items():
         out = rows[row]
         out["rounds"].append(1)
+        last_placement = {}
+        for r in sorted(requests, key=lambda r: r["sent_ms"]):
+            tenant = r.get("tenant")
+            if r["turn"] == 0 and r["cached_tokens"] < r["prompt_tokens"] / 2:
+                before = last_placement.get(tenant)
+                if before is None:
+                    out["cold_first"].append(("prompt's first placement", r["reason"], "-"))
+                else:
+                    age_ms = r["sent_ms"] - before["sent_ms"]
+                    where = "same rank" if before["rank"] == r["rank"] else "other rank"
+                    age = "< 10 ms" if age_ms < 10 else "< 100 ms" if age_ms < 100 else ">= 100 ms"
+                    predicted = "predicted hit" if r["predicted"] >= r["prompt_tokens"] / 2 else "predicted miss"
+                    out["cold_first"].append((f"previous {age} on {where}", r["reason"], predicted))
+            if r["turn"] == 0:
+                last_placement[tenant] = r
         by_conversation = collections.defaultdict(list)
         by_rank = collections.defaultdict(list)
         for r in requests:
@@ -112,6 +133,11 @@ def main():
                 f" TTFT - predicted cost p50 {quantile(gap, .5):.1f} / p90 {quantile(gap, .9):.1f}"
                 f" / p99 {quantile(gap, .99):.1f} ms"
             )
+        cold = out["cold_first"]
+        if cold:
+            print(f"  first turns the engine mostly computed: {len(cold) / n_rounds:.1f} per round")
+            for key, count in collections.Counter(cold).most_common(10):
+                print(f"    {count / n_rounds:5.1f}  {' / '.join(key)}")
         for name in ("kept", "lost"):
             v = out[name]
             if v:
