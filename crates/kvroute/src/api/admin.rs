@@ -92,6 +92,7 @@ fn worker_json(router: &Router, w: &crate::control::registry::Worker) -> Value {
         let h = w.health.lock();
         (h.label(now), h.consecutive_failures)
     };
+    let now_us = crate::control::registry::clock_us();
     let ranks: Vec<Value> = w
         .ranks
         .iter()
@@ -103,9 +104,9 @@ fn worker_json(router: &Router, w: &crate::control::registry::Worker) -> Value {
                 "dispatched_total": l.dispatched_total.load(Relaxed),
                 "sibling_in_flight": l.sibling_in_flight.load(Relaxed),
                 "sibling_queued_prefill_tokens": l.sibling_queued_prefill_tokens.load(Relaxed),
-                "prefill_backlog_us": l.fleet_prefill_backlog_us(crate::control::registry::clock_us()),
+                "prefill_backlog_us": l.fleet_prefill_backlog_us(now_us),
                 "engine_load": crate::control::engine_metrics::engine_load(
-                    router, w, r as u32, crate::control::registry::clock_us())})
+                    router, w, r as u32, now_us)})
         })
         .collect();
     json!({"id": w.id, "url": w.url, "model": w.model, "dp_size": w.dp_size, "health": health,
