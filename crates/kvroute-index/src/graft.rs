@@ -43,7 +43,7 @@ use hashbrown::HashSet;
 use kvroute_wire::snapshot::{IndexSnapshot, NO_PARENT, RankCursor, RankRef, SnapshotNodes};
 use thiserror::Error;
 
-use crate::index::{EntryKeys, IndexWriter, RankId, RestoreDelta, Shard, Shared, word_rank};
+use crate::index::{EntryKeys, IndexWriter, RankId, RestoreDelta, Shard, Shared, word, word_rank};
 use crate::snapshot::{RestoreError, retain_ranks_validated, validate_snapshot};
 
 /// Default work per slice (see [`IndexWriter::graft_step`]), chosen with `benches/graft.rs` on
@@ -290,6 +290,12 @@ pub struct GraftJob {
     /// Shards whose node table was sized for this job's share of the snapshot (see
     /// `place_nodes`).
     shard_sized: Vec<bool>,
+    /// Per snapshot rank, 1 + the last snapshot node at which the rank had a grafted carrier:
+    /// tells in one pass whether a node's grafted carriers are of distinct ranks.
+    rank_seen_at: Vec<usize>,
+    /// A node's grafted carriers, gathered to be set at once (see `place_nodes`).
+    bare_words: Vec<u32>,
+    bare_engines: Vec<u64>,
     report: GraftReport,
 }
 
@@ -415,6 +421,7 @@ impl IndexWriter {
         }
         let bucketed = bucket_start[local.len()];
         let nodes = plan.snapshot.nodes.len();
+        let snapshot_ranks = local.len();
         Ok(GraftJob {
             shared: self.shared.clone(),
             local,
@@ -429,6 +436,9 @@ impl IndexWriter {
             eviction_runs_at_begin: self.reader().counters().eviction_runs,
             ancestors: Vec::new(),
             shard_sized: vec![false; self.shared.shards.len()],
+            rank_seen_at: vec![0; snapshot_ranks],
+            bare_words: Vec::new(),
+            bare_engines: Vec::new(),
             report: GraftReport::default(),
             plan,
         })
@@ -530,6 +540,9 @@ impl IndexWriter {
             displaced,
             ancestors,
             shard_sized,
+            rank_seen_at,
+            bare_words,
+            bare_engines,
             report,
             ..
         } = job;
@@ -577,9 +590,17 @@ impl IndexWriter {
                 spent += 1 + (c_end - c_start);
                 in_lock += 1;
                 next += 1;
-                let grafted = (c_start..c_end)
-                    .filter(|&c| local[n.carrier_rank[c] as usize] != NONE)
-                    .count();
+                let mut grafted = 0usize;
+                let mut ranks_distinct = true;
+                for c in c_start..c_end {
+                    let r = n.carrier_rank[c] as usize;
+                    if local[r] == NONE {
+                        continue;
+                    }
+                    grafted += 1;
+                    ranks_distinct &= rank_seen_at[r] != i + 1;
+                    rank_seen_at[r] = i + 1;
+                }
                 report.excluded_carriers += (c_end - c_start - grafted) as u64;
                 if grafted == 0 {
                     // Placed later, and only if a descendant needs it as an ancestor.
@@ -597,6 +618,34 @@ impl IndexWriter {
                     continue;
                 };
                 let node_ref = shared.node_ref(shard_idx, idx);
+                if grafted >= 2 && ranks_distinct && shard.carries_nothing(idx) {
+                    // The common case on a booting replica, whose index holds nothing yet: a
+                    // shared prefix's node gets its carriers in one list of the final size.
+                    bare_words.clear();
+                    bare_engines.clear();
+                    for c in c_start..c_end {
+                        let r = n.carrier_rank[c] as usize;
+                        if local[r] == NONE {
+                            continue;
+                        }
+                        let engine = n.carrier_engine_hash[c];
+                        bare_words.push(word(local[r], n.carrier_tiers[c]));
+                        bare_engines.push(engine);
+                        let slot = bucket_fill[r];
+                        bucket_engine[slot] = engine;
+                        bucket_node[slot] = node_ref;
+                        bucket_fill[r] += 1;
+                    }
+                    self.restore_bare_carriers(
+                        &mut shard,
+                        idx,
+                        bare_words,
+                        bare_engines,
+                        &mut delta,
+                    );
+                    report.carriers += grafted as u64;
+                    continue;
+                }
                 for c in c_start..c_end {
                     let r = n.carrier_rank[c] as usize;
                     if local[r] == NONE {

@@ -388,6 +388,18 @@ pub(crate) struct Shard {
     pub(crate) mutations: u64,
 }
 
+/// Index of an empty list in the shard's pool: a freed one reused, else a new one.
+fn empty_list(lists: &mut Vec<CarrierList>, free_lists: &mut Vec<u32>) -> u32 {
+    let idx = free_lists.pop().unwrap_or_else(|| {
+        lists.push(CarrierList::default());
+        (lists.len() - 1) as u32
+    });
+    let list = &mut lists[idx as usize];
+    list.words.clear();
+    list.engines.clear();
+    idx
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CarrierChange {
     Added,
@@ -523,16 +535,8 @@ impl Shard {
                 );
             }
             let (first_word, first_engine) = (node.carrier, node.engine_or_digest);
-            let list_idx = match self.free_lists.pop() {
-                Some(l) => l,
-                None => {
-                    self.lists.push(CarrierList::default());
-                    (self.lists.len() - 1) as u32
-                }
-            };
+            let list_idx = empty_list(&mut self.lists, &mut self.free_lists);
             let list = &mut self.lists[list_idx as usize];
-            list.words.clear();
-            list.engines.clear();
             list.words.extend([first_word, word(rank, tiers)]);
             list.engines.extend([first_engine, engine]);
             node.engine_or_digest = set_digest(&list.words);
@@ -558,6 +562,32 @@ impl Shard {
         };
         debug_assert_eq!(node.engine_or_digest, set_digest(&list.words));
         result
+    }
+
+    /// Whether the node at `idx` carries nothing (a node just created, or one whose carriers all
+    /// went).
+    #[inline]
+    pub(crate) fn carries_nothing(&self, idx: u32) -> bool {
+        self.nodes
+            .get(idx as usize)
+            .is_some_and(|n| n.carrier == EMPTY_CARRIER)
+    }
+
+    /// Gives the node at `idx`, which carries nothing, every carrier in `words` (two or more, of
+    /// pairwise distinct ranks, tier bits non-zero) with the index-aligned `engines`, in one list
+    /// allocated at its final size. The result equals `add_carrier` once per word; a graft's
+    /// shared prefixes pay that way a rank scan per carrier (quadratic in the carriers) and a
+    /// list growth step each time the count doubles.
+    pub(crate) fn set_carriers_of_bare_node(&mut self, idx: u32, words: &[u32], engines: &[u64]) {
+        debug_assert!(words.len() >= 2 && words.len() == engines.len());
+        debug_assert!(self.carries_nothing(idx));
+        let list_idx = empty_list(&mut self.lists, &mut self.free_lists);
+        let list = &mut self.lists[list_idx as usize];
+        list.words.extend_from_slice(words);
+        list.engines.extend_from_slice(engines);
+        let node = &mut self.nodes[idx as usize];
+        node.engine_or_digest = set_digest(words);
+        node.carrier = list_idx << 4;
     }
 
     /// Clears `mask` from `rank`'s carrier (if its engine hash is `engine`, when given). Returns
@@ -1421,6 +1451,23 @@ impl IndexWriter {
         }
     }
 
+    /// Gives the node at `idx`, which carries nothing, all of `words`' carriers at once (the
+    /// preconditions of [`Shard::set_carriers_of_bare_node`]): `restore_carrier` once per word,
+    /// without the per-carrier work. Nothing is displaced, since the node carried nothing.
+    pub(crate) fn restore_bare_carriers(
+        &self,
+        shard: &mut Shard,
+        idx: u32,
+        words: &[u32],
+        engines: &[u64],
+        delta_tiers: &mut RestoreDelta,
+    ) {
+        shard.set_carriers_of_bare_node(idx, words, engines);
+        for &w in words {
+            delta_tiers.record(RankId(word_rank(w)), 0, word_tiers(w));
+        }
+    }
+
     /// Drops side entries of replaced engine hashes, then inserts `(engine, node_ref)` pairs.
     /// `keys` says whether the caller proved the entries' engine hashes pairwise distinct.
     pub(crate) fn restore_side_entries(
@@ -1871,3 +1918,53 @@ impl IndexReader {
 
 // The memory budget per carried pair assumes 32-byte nodes; fail the build if a field creeps in.
 const _: () = assert!(std::mem::size_of::<Node>() == 32);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node_state(shard: &Shard, idx: u32) -> (Vec<u32>, Vec<u64>, u64) {
+        let node = &shard.nodes[idx as usize];
+        let (words, engines) = shard.carriers(node);
+        (words.to_vec(), engines.to_vec(), node.engine_or_digest)
+    }
+
+    /// A node given its carriers at once (the graft's path for a node no live rank carries)
+    /// holds exactly what adding them one by one gives: the same words and engine hashes in the
+    /// same order and the same digest, which the routing walk compares to tell carrier sets
+    /// apart. Later changes to either node keep them equal.
+    #[test]
+    fn carriers_set_at_once_equal_carriers_added_one_by_one() {
+        let mut shard = Shard::new();
+        let one_by_one = shard
+            .find_or_create(0xA000_0000_0000_0001, NONE, u32::MAX, 0)
+            .expect("room");
+        let at_once = shard
+            .find_or_create(0xB000_0000_0000_0002, NONE, u32::MAX, 0)
+            .expect("room");
+        let carriers = [(3u32, 1u8, 30u64), (0, 2, 10), (7, 3, 70), (1, 1, 11)];
+        for &(rank, tiers, engine) in &carriers {
+            shard.add_carrier(one_by_one, rank, tiers, engine);
+        }
+        let words: Vec<u32> = carriers.iter().map(|&(r, t, _)| word(r, t)).collect();
+        let engines: Vec<u64> = carriers.iter().map(|c| c.2).collect();
+        assert!(shard.carries_nothing(at_once));
+        shard.set_carriers_of_bare_node(at_once, &words, &engines);
+        assert!(!shard.carries_nothing(at_once));
+        assert_eq!(node_state(&shard, at_once), node_state(&shard, one_by_one));
+        assert_eq!(
+            node_state(&shard, at_once).2,
+            set_digest(&words),
+            "the digest is the carrier set's"
+        );
+        for idx in [one_by_one, at_once] {
+            shard.add_carrier(idx, 7, 4, 71);
+            shard.clear_carrier(idx, 0, TIER_ALL, None);
+            shard.add_carrier(idx, 9, 1, 90);
+        }
+        let (words_after, _, digest_after) = node_state(&shard, at_once);
+        assert_eq!(node_state(&shard, at_once), node_state(&shard, one_by_one));
+        assert_eq!(digest_after, set_digest(&words_after));
+        assert_eq!(words_after.len(), 4, "7 changed, 0 went, 9 came");
+    }
+}

@@ -314,6 +314,43 @@ fn every_grafted_carrier_is_found_by_its_engine_hash() {
 }
 
 #[test]
+fn a_node_listing_one_rank_twice_is_grafted_like_restore_grafts_it() {
+    // A node shared by several ranks is normally given all its carriers at once; a snapshot may
+    // still list one rank twice on a node (under two engine hashes, which the plan accepts), and
+    // then the later carrier must win exactly as in a restore.
+    let (src, queries) = source(3, 3, 10);
+    let mut snap = src.export_snapshot();
+    let n = &mut snap.nodes;
+    let start = |n: &kvroute_wire::snapshot::SnapshotNodes, i: usize| {
+        if i == 0 {
+            0
+        } else {
+            n.carrier_end[i - 1] as usize
+        }
+    };
+    let shared = (0..n.len())
+        .find(|&i| n.carrier_end[i] as usize - start(n, i) >= 2)
+        .expect("the source shares a prompt between ranks");
+    let end = n.carrier_end[shared] as usize;
+    let twice = n.carrier_rank[start(n, shared)];
+    n.carrier_rank.insert(end, twice);
+    n.carrier_tiers.insert(end, 1);
+    n.carrier_engine_hash.insert(end, 0xD0B1_E000_0000_0001);
+    for e in &mut n.carrier_end[shared..] {
+        *e += 1;
+    }
+    let (mut wr, rr, _) = target(3);
+    wr.restore_snapshot(&snap).expect("restores");
+    let (mut wg, rg, ids) = target(3);
+    graft_in_slices(&mut wg, plan_all(&snap), &ids, 5);
+    assert_eq!(canonical(&rg, None), canonical(&rr, None));
+    assert_eq!(answers(&rg, &queries), answers(&rr, &queries));
+    for id in ids {
+        assert_eq!(rg.rank_stats(id), rr.rank_stats(id));
+    }
+}
+
+#[test]
 fn cursors_are_set_only_when_the_graft_completes() {
     let (src, _) = source(5, 2, 6);
     let snap = src.export_snapshot();
