@@ -5,10 +5,11 @@
 //! nodes), in slices of several sizes.
 //!
 //! Criterion times the whole graft (begin + every slice, one graft per iteration, a fresh target
-//! each time, built outside the timed region). Next to it, per slice size, this prints what the
-//! pump cares about: the duration of one slice (p50/p99/max over every slice of every iteration),
-//! which bounds how long a live batch of another rank waits, and the apply time of one live
-//! batch run between slices. It also prints the off-writer cost of `GraftPlan::new` and a
+//! each time, built outside the timed region). A second group grafts the same snapshot into a
+//! booting replica (all 64 ranks pending, nothing live), where every node placed is new. Next to
+//! the first group, per slice size, this prints what the pump cares about: the duration of one
+//! slice (p50/p99/max over every slice of every iteration), which bounds how long a live batch of
+//! another rank waits, and the apply time of one live batch run between slices. It also prints the off-writer cost of `GraftPlan::new` and a
 //! one-shot `restore_snapshot` of the same snapshot into the same target for comparison.
 //!
 //! Run: `cargo bench -p kvroute-index --bench graft`.
@@ -253,6 +254,35 @@ fn bench_graft(c: &mut Criterion) {
             );
         }
     }
+    group.finish();
+
+    // A booting replica: every rank of the snapshot registered and pending, nothing live, so
+    // every node the graft places is new (the case of a replica joining a fleet).
+    let mut group = c.benchmark_group("graft_64x100k_into_booting");
+    group.sampling_mode(SamplingMode::Flat);
+    group.sample_size(10);
+    group.warm_up_time(Duration::from_millis(1));
+    group.measurement_time(Duration::from_secs(5));
+    group.bench_function(format!("slice_items_{GRAFT_SLICE_ITEMS_MAX}"), |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let (mut w, _r) = PrefixIndex::new(config());
+                let pending: Vec<RankId> = (0..SNAPSHOT_RANKS)
+                    .map(|rank| w.add_rank(rank_ref(0, rank)))
+                    .collect();
+                let plan = plan.clone();
+                let start = Instant::now();
+                let mut job = w.begin_graft(plan, &pending).expect("begins");
+                while let GraftProgress::More { .. } = w
+                    .graft_step(&mut job, GRAFT_SLICE_ITEMS_MAX)
+                    .expect("own job")
+                {}
+                total += start.elapsed();
+            }
+            total
+        });
+    });
     group.finish();
 }
 
