@@ -9,8 +9,9 @@
 //! booting replica (all 64 ranks pending, nothing live), where every node placed is new. Next to
 //! the first group, per slice size, this prints what the pump cares about: the duration of one
 //! slice (p50/p99/max over every slice of every iteration), which bounds how long a live batch of
-//! another rank waits, and the apply time of one live batch run between slices. It also prints the off-writer cost of `GraftPlan::new` and a
-//! one-shot `restore_snapshot` of the same snapshot into the same target for comparison.
+//! another rank waits, and the apply time of one live batch run between slices. It also prints
+//! the off-writer cost of `GraftPlan::new` and a one-shot `restore_snapshot` of the same snapshot
+//! into the same target for comparison.
 //!
 //! Run: `cargo bench -p kvroute-index --bench graft`.
 

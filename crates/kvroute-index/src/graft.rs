@@ -618,24 +618,37 @@ impl IndexWriter {
                     continue;
                 };
                 let node_ref = shared.node_ref(shard_idx, idx);
-                if grafted >= 2 && ranks_distinct && shard.carries_nothing(idx) {
-                    // The common case on a booting replica, whose index holds nothing yet: a
-                    // shared prefix's node gets its carriers in one list of the final size.
-                    bare_words.clear();
-                    bare_engines.clear();
-                    for c in c_start..c_end {
-                        let r = n.carrier_rank[c] as usize;
-                        if local[r] == NONE {
-                            continue;
-                        }
-                        let engine = n.carrier_engine_hash[c];
+                // The common case on a booting replica, whose index holds nothing yet: a shared
+                // prefix's node gets its carriers in one list of the final size.
+                let at_once = grafted >= 2 && ranks_distinct && shard.carries_nothing(idx);
+                bare_words.clear();
+                bare_engines.clear();
+                for c in c_start..c_end {
+                    let r = n.carrier_rank[c] as usize;
+                    if local[r] == NONE {
+                        continue;
+                    }
+                    let engine = n.carrier_engine_hash[c];
+                    if at_once {
                         bare_words.push(word(local[r], n.carrier_tiers[c]));
                         bare_engines.push(engine);
-                        let slot = bucket_fill[r];
-                        bucket_engine[slot] = engine;
-                        bucket_node[slot] = node_ref;
-                        bucket_fill[r] += 1;
+                    } else {
+                        self.restore_carrier(
+                            RankId(local[r]),
+                            node_ref,
+                            n.carrier_tiers[c],
+                            engine,
+                            &mut shard,
+                            &mut delta,
+                            displaced,
+                        );
                     }
+                    let slot = bucket_fill[r];
+                    bucket_engine[slot] = engine;
+                    bucket_node[slot] = node_ref;
+                    bucket_fill[r] += 1;
+                }
+                if at_once {
                     self.restore_bare_carriers(
                         &mut shard,
                         idx,
@@ -643,30 +656,8 @@ impl IndexWriter {
                         bare_engines,
                         &mut delta,
                     );
-                    report.carriers += grafted as u64;
-                    continue;
                 }
-                for c in c_start..c_end {
-                    let r = n.carrier_rank[c] as usize;
-                    if local[r] == NONE {
-                        continue;
-                    }
-                    let engine = n.carrier_engine_hash[c];
-                    self.restore_carrier(
-                        RankId(local[r]),
-                        node_ref,
-                        n.carrier_tiers[c],
-                        engine,
-                        &mut shard,
-                        &mut delta,
-                        displaced,
-                    );
-                    let slot = bucket_fill[r];
-                    bucket_engine[slot] = engine;
-                    bucket_node[slot] = node_ref;
-                    bucket_fill[r] += 1;
-                    report.carriers += 1;
-                }
+                report.carriers += grafted as u64;
             }
         }
         self.flush_restore_delta(&mut delta);
