@@ -7,6 +7,10 @@
 //! the time from B's start (its workers are discovered and registered inside `serve`) to every
 //! rank settled, the outcomes, and a check that B then answers a sample of queries like A.
 //!
+//! Both routers run in this process on the allocator the `kvroute` binary ships with (mimalloc):
+//! a booting replica writes its whole index into fresh memory, so the allocator is part of what
+//! is timed.
+//!
 //! Env: KVROUTE_WARM_ENGINES (8), KVROUTE_WARM_DP (8), KVROUTE_WARM_BLOCKS (100000, per rank),
 //! KVROUTE_WARM_EVENTS_PER_S (10000; 0 = a quiet fleet). Run: `cargo bench -p kvroute --bench time_to_warm`.
 
@@ -18,6 +22,10 @@ use std::time::{Duration, Instant};
 use kvroute::{RouterConfig, WorkerSpec};
 use kvroute_index::hash::{BASE_NAMESPACE, hash_token_blocks};
 use kvroute_index::{IndexReader, PrefixMatch};
+
+/// The allocator of the `kvroute` binary (its `main.rs`).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn env(name: &str, default: usize) -> usize {
     std::env::var(name)
