@@ -43,7 +43,9 @@ use hashbrown::HashSet;
 use kvroute_wire::snapshot::{IndexSnapshot, NO_PARENT, RankCursor, RankRef, SnapshotNodes};
 use thiserror::Error;
 
-use crate::index::{EntryKeys, IndexWriter, RankId, RestoreDelta, Shard, Shared, word, word_rank};
+use crate::index::{
+    EntryKeys, IndexReader, IndexWriter, RankId, RestoreDelta, Shard, Shared, word, word_rank,
+};
 use crate::snapshot::{RestoreError, retain_ranks_validated, validate_snapshot};
 
 /// Default work per slice (see [`IndexWriter::graft_step`]), chosen with `benches/graft.rs` on
@@ -96,8 +98,30 @@ pub enum GraftError {
 #[derive(Debug, Clone)]
 pub struct GraftPlan {
     snapshot: IndexSnapshot,
-    carriers_per_rank: Vec<usize>,
+    /// Every carrier's engine hash, grouped by snapshot rank in carrier order: rank `r`'s are
+    /// `rank_engines[rank_carrier_start[r]..rank_carrier_start[r + 1]]`. Built by the duplicate
+    /// check and kept for the job's side-map stage, which needs exactly this grouping; building
+    /// it once saves the job a second column of the same size (820 MB of fresh memory at 1,024
+    /// ranks x 100,000 blocks, where first touches of memory are much of a graft's time).
+    rank_carrier_start: Vec<usize>,
+    rank_engines: Vec<u64>,
     uncovered: Vec<RankRef>,
+    /// Where the nodes land in one index's shards, if [`GraftPlan::lay_out_for`] computed it.
+    shard_layout: Option<ShardLayout>,
+}
+
+/// Where a plan's nodes land in the shards of an index with `shards` shards, so the job can size
+/// each shard's node table and list pool once, to what that shard will hold. Without it a shard
+/// is sized to an even share of the snapshot; root-based sharding makes shards uneven (a popular
+/// system prompt pulls all its conversations into one shard), and a shard past its share grows
+/// its table by 1.25x steps, each a fresh table written whole. On a host where first touches of
+/// memory are slow, those discarded tables are a large part of a big graft's time.
+#[derive(Debug, Clone)]
+struct ShardLayout {
+    shards: usize,
+    nodes_per_shard: Vec<usize>,
+    /// Nodes with two or more carriers, each of which takes a carrier list.
+    lists_per_shard: Vec<usize>,
 }
 
 impl GraftPlan {
@@ -130,12 +154,46 @@ impl GraftPlan {
         if kept.iter().any(|k| !k) {
             retain_ranks_validated(&mut snapshot, |i, _| kept[i]);
         }
-        let carriers_per_rank = check_engine_hashes(&snapshot)?;
+        let RankEngines { start, engines } = check_engine_hashes(&snapshot)?;
         Ok(GraftPlan {
             snapshot,
-            carriers_per_rank,
+            rank_carrier_start: start,
+            rank_engines: engines,
             uncovered,
+            shard_layout: None,
         })
+    }
+
+    /// Computes where the plan's nodes land in `index`'s shards (see [`ShardLayout`]). Linear in
+    /// the snapshot; meant to run off the writer, like [`GraftPlan::new`]. A plan laid out for
+    /// another index still grafts there, with evenly shared sizing.
+    pub fn lay_out_for(&mut self, index: &IndexReader) {
+        let shared = &index.shared;
+        let n = &self.snapshot.nodes;
+        let shards = shared.shards.len();
+        let mut shard_of = vec![0u8; n.len()];
+        let mut nodes_per_shard = vec![0usize; shards];
+        let mut lists_per_shard = vec![0usize; shards];
+        let mut carriers_before = 0u32;
+        for i in 0..n.len() {
+            // Parents precede children (validated by `new`), so a parent's shard is known.
+            let s = match n.parent[i] {
+                NO_PARENT => shared.shard_of_root(n.content_hash[i]),
+                p => usize::from(shard_of[p as usize]),
+            };
+            // Shard counts are at most SHARD_COUNT_MAX (256), so a shard index fits a byte.
+            shard_of[i] = s as u8;
+            nodes_per_shard[s] += 1;
+            if n.carrier_end[i] - carriers_before >= 2 {
+                lists_per_shard[s] += 1;
+            }
+            carriers_before = n.carrier_end[i];
+        }
+        self.shard_layout = Some(ShardLayout {
+            shards,
+            nodes_per_shard,
+            lists_per_shard,
+        });
     }
 
     pub fn snapshot(&self) -> &IndexSnapshot {
@@ -177,8 +235,14 @@ pub struct PlanCover {
     pub partial: bool,
 }
 
-/// Carriers per rank; fails on a rank carrying one engine hash twice.
-fn check_engine_hashes(s: &IndexSnapshot) -> Result<Vec<usize>, GraftError> {
+/// A snapshot's engine hashes grouped by rank (see [`GraftPlan`]).
+struct RankEngines {
+    start: Vec<usize>,
+    engines: Vec<u64>,
+}
+
+/// The engine hashes grouped by rank; fails on a rank carrying one engine hash twice.
+fn check_engine_hashes(s: &IndexSnapshot) -> Result<RankEngines, GraftError> {
     let n = &s.nodes;
     let ranks = s.ranks.len();
     let mut start = vec![0usize; ranks + 1];
@@ -249,7 +313,7 @@ fn check_engine_hashes(s: &IndexSnapshot) -> Result<Vec<usize>, GraftError> {
             engine: e,
         });
     }
-    Ok((0..ranks).map(|r| start[r + 1] - start[r]).collect())
+    Ok(RankEngines { start, engines })
 }
 
 /// Where a job is.
@@ -277,11 +341,14 @@ pub struct GraftJob {
     placed: Vec<u32>,
     /// Shard of each visited snapshot node (its root's shard).
     shard_of: Vec<u8>,
-    /// Placed carriers bucketed by snapshot rank, to file side maps rank by rank:
-    /// `bucket_engine/node[bucket_start[r]..bucket_fill[r]]`.
+    /// Carriers bucketed by snapshot rank, to file side maps rank by rank, in the slots of the
+    /// plan's `rank_engines`: slot `s` of rank `r` (`bucket_start[r] <= s < bucket_fill[r]`) is
+    /// the rank's `s - bucket_start[r]`-th carrier in snapshot order, and `bucket_node[s]` its
+    /// node ref + 1, or 0 when it was not placed (its node was skipped). `bucket_fill[r]`
+    /// advances for every carrier of a grafted rank the job visits, placed or not, which keeps
+    /// the slots aligned with the plan's column.
     bucket_start: Vec<usize>,
     bucket_fill: Vec<usize>,
-    bucket_engine: Vec<u64>,
     bucket_node: Vec<u32>,
     /// Engine hashes a placed carrier replaced (the rank already carried the node).
     displaced: Vec<(RankId, u64, u32)>,
@@ -290,6 +357,8 @@ pub struct GraftJob {
     /// Shards whose node table was sized for this job's share of the snapshot (see
     /// `place_nodes`).
     shard_sized: Vec<bool>,
+    /// Nodes and carrier lists each shard receives, when the plan was laid out for this index.
+    shard_room: Option<(Vec<usize>, Vec<usize>)>,
     /// Per snapshot rank, 1 + the last snapshot node at which the rank had a grafted carrier:
     /// tells in one pass whether a node's grafted carriers are of distinct ranks.
     rank_seen_at: Vec<usize>,
@@ -388,7 +457,7 @@ impl IndexWriter {
     /// the snapshot's size apart from zeroed allocations.
     pub fn begin_graft(
         &mut self,
-        plan: GraftPlan,
+        mut plan: GraftPlan,
         ranks: &[RankId],
     ) -> Result<GraftJob, GraftError> {
         let block_size = self.config().block_size;
@@ -409,19 +478,15 @@ impl IndexWriter {
                 _ => NONE,
             })
             .collect();
-        let mut bucket_start = Vec::with_capacity(local.len() + 1);
-        bucket_start.push(0usize);
-        for (r, &l) in local.iter().enumerate() {
-            let n = if l == NONE {
-                0
-            } else {
-                plan.carriers_per_rank[r]
-            };
-            bucket_start.push(bucket_start[r] + n);
-        }
-        let bucketed = bucket_start[local.len()];
+        let bucket_start = plan.rank_carrier_start.clone();
+        let bucketed = plan.rank_engines.len();
         let nodes = plan.snapshot.nodes.len();
         let snapshot_ranks = local.len();
+        let shard_room = plan
+            .shard_layout
+            .take()
+            .filter(|l| l.shards == self.shared.shards.len())
+            .map(|l| (l.nodes_per_shard, l.lists_per_shard));
         Ok(GraftJob {
             shared: self.shared.clone(),
             local,
@@ -430,12 +495,13 @@ impl IndexWriter {
             shard_of: vec![0; nodes],
             bucket_fill: bucket_start[..bucket_start.len() - 1].to_vec(),
             bucket_start,
-            bucket_engine: vec![0; bucketed],
+            // Zeroed memory is free to get, and only the grafted ranks' slots are ever written.
             bucket_node: vec![0; bucketed],
             displaced: Vec::new(),
             eviction_runs_at_begin: self.reader().counters().eviction_runs,
             ancestors: Vec::new(),
             shard_sized: vec![false; self.shared.shards.len()],
+            shard_room,
             rank_seen_at: vec![0; snapshot_ranks],
             bare_words: Vec::new(),
             bare_engines: Vec::new(),
@@ -535,11 +601,11 @@ impl IndexWriter {
             placed,
             shard_of,
             bucket_fill,
-            bucket_engine,
             bucket_node,
             displaced,
             ancestors,
             shard_sized,
+            shard_room,
             rank_seen_at,
             bare_words,
             bare_engines,
@@ -558,12 +624,20 @@ impl IndexWriter {
             let mut shard = shared.shards[shard_idx].write();
             shard.mutations += 1;
             if !shard_sized[shard_idx] {
-                // Room for this shard's share of the snapshot (roots spread evenly over shards),
-                // taken the first time the job writes here: one rehash of the shard's table
-                // instead of one per growth step while its nodes arrive. A share that is
-                // already in the index (nodes shared with live ranks) only leaves room unused.
-                let shards = shard_sized.len();
-                shard.reserve_nodes(total / shards + total / shards / 8);
+                // Room for what this shard receives (exact when the plan was laid out for this
+                // index, else an even share with some slack), taken the first time the job
+                // writes here: one rehash of the shard's table instead of one per growth step
+                // while its nodes arrive. Nodes already in the index (shared with live ranks)
+                // only leave room unused.
+                match shard_room {
+                    Some((nodes, lists)) => {
+                        shard.reserve_for_graft(nodes[shard_idx], lists[shard_idx]);
+                    }
+                    None => {
+                        let shards = shard_sized.len();
+                        shard.reserve_nodes(total / shards + total / shards / 8);
+                    }
+                }
                 shard_sized[shard_idx] = true;
             }
             let mut in_lock = 0usize;
@@ -615,6 +689,14 @@ impl IndexWriter {
                 let Some(idx) = self.place_with_ancestors(placement, &mut shard, shard_idx, i)
                 else {
                     report.skipped_nodes += 1;
+                    // The node's carriers keep their slots, empty, so the ranks' later carriers
+                    // stay aligned with the plan's engine column.
+                    for c in c_start..c_end {
+                        let r = n.carrier_rank[c] as usize;
+                        if local[r] != NONE {
+                            bucket_fill[r] += 1;
+                        }
+                    }
                     continue;
                 };
                 let node_ref = shared.node_ref(shard_idx, idx);
@@ -644,8 +726,8 @@ impl IndexWriter {
                         );
                     }
                     let slot = bucket_fill[r];
-                    bucket_engine[slot] = engine;
-                    bucket_node[slot] = node_ref;
+                    debug_assert_eq!(plan.rank_engines[slot], engine, "bucket slots aligned");
+                    bucket_node[slot] = node_ref + 1;
                     bucket_fill[r] += 1;
                 }
                 if at_once {
@@ -718,10 +800,11 @@ impl IndexWriter {
             return;
         }
         let rank = RankId(local);
-        let mut entries: Vec<(u64, u32)> = job.bucket_engine[lo..hi]
+        let mut entries: Vec<(u64, u32)> = job.plan.rank_engines[lo..hi]
             .iter()
-            .copied()
-            .zip(job.bucket_node[lo..hi].iter().copied())
+            .zip(&job.bucket_node[lo..hi])
+            .filter(|&(_, &placed)| placed != 0)
+            .map(|(&engine, &placed)| (engine, placed - 1))
             .collect();
         if self.reader().counters().eviction_runs != job.eviction_runs_at_begin {
             let before = entries.len();

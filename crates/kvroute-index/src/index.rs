@@ -423,6 +423,13 @@ impl Shard {
         self.by_hash.reserve(additional);
     }
 
+    /// Room for `nodes` more nodes in the table and `lists` more carrier lists in the pool.
+    pub(crate) fn reserve_for_graft(&mut self, nodes: usize, lists: usize) {
+        self.by_hash.reserve(nodes);
+        self.lists
+            .reserve(lists.saturating_sub(self.free_lists.len()));
+    }
+
     /// Hints the CPU to load the table slots a lookup of `hash` reads first.
     #[inline]
     pub(crate) fn prefetch_slot(&self, hash: u64) {

@@ -281,12 +281,17 @@ fn a_held_removal_applied_after_the_graft_removes_the_grafted_block() {
 #[test]
 fn every_grafted_carrier_is_found_by_its_engine_hash() {
     // The side maps of pending ranks are filed in bulk without key comparisons; a removal by
-    // engine hash must still find every carrier the graft placed, whatever the slice size.
+    // engine hash must still find every carrier the graft placed, whatever the slice size and
+    // whether the plan was laid out for the index.
     let (src, _) = source(9, 4, 16);
     let snap = src.export_snapshot();
-    for items_max in [1, 7, usize::MAX] {
+    for (items_max, laid_out) in [(1, false), (7, false), (usize::MAX, false), (7, true)] {
         let (mut w, r, ids) = target(4);
-        graft_in_slices(&mut w, plan_all(&snap), &ids, items_max);
+        let mut plan = plan_all(&snap);
+        if laid_out {
+            plan.lay_out_for(&r);
+        }
+        graft_in_slices(&mut w, plan, &ids, items_max);
         assert!(r.total_carried() > 0, "the graft placed carriers");
         for (i, &id) in ids.iter().enumerate() {
             let engines: Vec<u64> = snap
@@ -654,9 +659,31 @@ fn plan_refuses_what_restore_refuses() {
     );
 }
 
+#[test]
+fn a_plan_laid_out_for_another_index_shape_still_grafts_exactly() {
+    // The layout counts nodes for an index with 2 shards; the target has 4. The job must notice
+    // and size the target's shards evenly instead of reading counts of shards that do not exist.
+    let (src, queries) = source(21, 3, 10);
+    let snap = src.export_snapshot();
+    let (_, two_shards) = PrefixIndex::new(IndexConfig {
+        shard_count: 2,
+        ..cfg()
+    });
+    let mut foreign = plan_all(&snap);
+    foreign.lay_out_for(&two_shards);
+    let (mut w1, r1, ids1) = target(3);
+    let (mut w2, r2, ids2) = target(3);
+    graft_in_slices(&mut w1, plan_all(&snap), &ids1, 5);
+    graft_in_slices(&mut w2, foreign, &ids2, 5);
+    assert_eq!(canonical(&r2, None), canonical(&r1, None));
+    assert_eq!(answers(&r2, &queries), answers(&src, &queries));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
+    /// Also whether or not the plan was laid out for the index: exact sizing of the shards
+    /// changes where memory goes, never what the index holds.
     #[test]
     fn slices_of_any_size_give_the_same_index(
         seed in any::<u64>(),
@@ -664,6 +691,7 @@ proptest! {
         convs in 1u32..10,
         items_max in 1usize..64,
         grafted_mask in 1u8..16,
+        laid_out in any::<bool>(),
     ) {
         let (src, queries) = source(seed, ranks, convs);
         let snap = src.export_snapshot();
@@ -672,8 +700,12 @@ proptest! {
         let pick = |ids: &[RankId]| -> Vec<RankId> {
             ids.iter().enumerate().filter(|(i, _)| grafted_mask >> i & 1 == 1).map(|(_, &id)| id).collect()
         };
+        let mut sliced = plan_all(&snap);
+        if laid_out {
+            sliced.lay_out_for(&r2);
+        }
         graft_in_slices(&mut w1, plan_all(&snap), &pick(&ids1), usize::MAX);
-        graft_in_slices(&mut w2, plan_all(&snap), &pick(&ids2), items_max);
+        graft_in_slices(&mut w2, sliced, &pick(&ids2), items_max);
         prop_assert_eq!(canonical(&r2, None), canonical(&r1, None));
         prop_assert_eq!(answers(&r2, &queries), answers(&r1, &queries));
         prop_assert_eq!(r2.node_count(), r1.node_count());

@@ -24,7 +24,8 @@
 //! on it (decode from the file, plan, graft) in a fresh process.
 //!
 //! Run: `CARGO_PROFILE_BENCH_DEBUG=0 cargo bench -p kvroute --bench scale_1024`. Env:
-//! KVROUTE_SCALE_RANKS (1024), KVROUTE_SCALE_BLOCKS (100000, per rank). Needs ~12 GB of memory
+//! KVROUTE_SCALE_RANKS (1024), KVROUTE_SCALE_BLOCKS (100000, per rank), KVROUTE_SCALE_PLAN_LAYOUT
+//! (`0` grafts without the plan's shard layout, each shard sized to an even share). Needs ~12 GB of memory
 //! at the default size (the index, its export and a grafted copy are alive at once).
 
 use std::alloc::{GlobalAlloc, Layout};
@@ -394,13 +395,18 @@ struct Grafted {
 /// writer), then the graft into an index where the ranks are registered and pending, run slice
 /// after slice as the pump runs it (here with nothing to interleave).
 fn plan_and_graft(decoded: IndexSnapshot) -> Grafted {
-    let t = Instant::now();
-    let plan = GraftPlan::new(decoded, BLOCK_SIZE, |_| true).expect("the snapshot plans");
-    let plan_s = t.elapsed().as_secs_f64();
     let (mut w2, r2) = PrefixIndex::new(IndexConfig {
         max_carried_blocks: u64::MAX,
         ..IndexConfig::new(BLOCK_SIZE)
     });
+    let t = Instant::now();
+    let mut plan = GraftPlan::new(decoded, BLOCK_SIZE, |_| true).expect("the snapshot plans");
+    // As the service does; KVROUTE_SCALE_PLAN_LAYOUT=0 leaves it out, to compare with shards
+    // sized to an even share.
+    if std::env::var("KVROUTE_SCALE_PLAN_LAYOUT").as_deref() != Ok("0") {
+        plan.lay_out_for(&r2);
+    }
+    let plan_s = t.elapsed().as_secs_f64();
     let pending: Vec<_> = plan
         .ranks()
         .iter()

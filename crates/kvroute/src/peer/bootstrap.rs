@@ -762,14 +762,20 @@ impl Task {
         let model = model.to_string();
         let stages = self.metrics.stage_seconds.clone();
         tokio::spawn(async move {
-            let Some(block_size) = plane.model_view(&model).map(|v| v.block_size) else {
+            let Some(view) = plane.model_view(&model) else {
                 return;
             };
             let (snapshot, _) = vetted.into_parts();
             let plan_started = Instant::now();
-            let plan =
-                tokio::task::spawn_blocking(move || GraftPlan::new(snapshot, block_size, |_| true))
-                    .await;
+            // Laid out for this model's index here, off the pump, so the graft sizes each shard
+            // once to what it receives.
+            let plan = tokio::task::spawn_blocking(move || {
+                GraftPlan::new(snapshot, view.block_size, |_| true).map(|mut plan| {
+                    plan.lay_out_for(&view.reader);
+                    plan
+                })
+            })
+            .await;
             stages
                 .with_label_values(&["plan"])
                 .observe(plan_started.elapsed().as_secs_f64());
