@@ -47,6 +47,7 @@ use crate::index::{
     EntryKeys, IndexReader, IndexWriter, RankId, RestoreDelta, Shard, Shared, word, word_rank,
 };
 use crate::snapshot::{RestoreError, retain_ranks_validated, validate_snapshot};
+use crate::table::HashSlots;
 
 /// Default work per slice (see [`IndexWriter::graft_step`]), chosen with `benches/graft.rs` on
 /// the 64 x 100,000-block shape: a node-stage slice of this size takes ~1.5 ms, so one slice
@@ -116,12 +117,28 @@ pub struct GraftPlan {
 /// system prompt pulls all its conversations into one shard), and a shard past its share grows
 /// its table by 1.25x steps, each a fresh table written whole. On a host where first touches of
 /// memory are slow, those discarded tables are a large part of a big graft's time.
-#[derive(Debug, Clone)]
+///
+/// It also carries each shard's empty table, already of that size: writing a table of tens of
+/// megabytes (a large shard at 1,024 ranks) is fresh memory first touched, which took a graft
+/// slice past 100 ms on the pump; built here it costs the plan's thread instead.
+#[derive(Clone)]
 struct ShardLayout {
     shards: usize,
     nodes_per_shard: Vec<usize>,
     /// Nodes with two or more carriers, each of which takes a carrier list.
     lists_per_shard: Vec<usize>,
+    /// Per shard, an empty table with room for its nodes (taken by a shard that holds nothing).
+    tables: Vec<HashSlots>,
+}
+
+impl std::fmt::Debug for ShardLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardLayout")
+            .field("shards", &self.shards)
+            .field("nodes_per_shard", &self.nodes_per_shard)
+            .field("lists_per_shard", &self.lists_per_shard)
+            .finish_non_exhaustive()
+    }
 }
 
 impl GraftPlan {
@@ -164,9 +181,10 @@ impl GraftPlan {
         })
     }
 
-    /// Computes where the plan's nodes land in `index`'s shards (see [`ShardLayout`]). Linear in
-    /// the snapshot; meant to run off the writer, like [`GraftPlan::new`]. A plan laid out for
-    /// another index still grafts there, with evenly shared sizing.
+    /// Computes where the plan's nodes land in `index`'s shards and builds each shard's empty
+    /// table of that size (see [`ShardLayout`]). Linear in the snapshot; meant to run off the
+    /// writer, like [`GraftPlan::new`]. A plan laid out for another index still grafts there,
+    /// with evenly shared sizing.
     pub fn lay_out_for(&mut self, index: &IndexReader) {
         let shared = &index.shared;
         let n = &self.snapshot.nodes;
@@ -189,10 +207,15 @@ impl GraftPlan {
             }
             carriers_before = n.carrier_end[i];
         }
+        let tables = nodes_per_shard
+            .iter()
+            .map(|&nodes| HashSlots::with_room(nodes))
+            .collect();
         self.shard_layout = Some(ShardLayout {
             shards,
             nodes_per_shard,
             lists_per_shard,
+            tables,
         });
     }
 
@@ -357,8 +380,9 @@ pub struct GraftJob {
     /// Shards whose node table was sized for this job's share of the snapshot (see
     /// `place_nodes`).
     shard_sized: Vec<bool>,
-    /// Nodes and carrier lists each shard receives, when the plan was laid out for this index.
-    shard_room: Option<(Vec<usize>, Vec<usize>)>,
+    /// What each shard receives, with its prebuilt table, when the plan was laid out for this
+    /// index.
+    shard_room: Option<ShardLayout>,
     /// Per snapshot rank, 1 + the last snapshot node at which the rank had a grafted carrier:
     /// tells in one pass whether a node's grafted carriers are of distinct ranks.
     rank_seen_at: Vec<usize>,
@@ -485,8 +509,7 @@ impl IndexWriter {
         let shard_room = plan
             .shard_layout
             .take()
-            .filter(|l| l.shards == self.shared.shards.len())
-            .map(|l| (l.nodes_per_shard, l.lists_per_shard));
+            .filter(|l| l.shards == self.shared.shards.len());
         Ok(GraftJob {
             shared: self.shared.clone(),
             local,
@@ -630,8 +653,13 @@ impl IndexWriter {
                 // while its nodes arrive. Nodes already in the index (shared with live ranks)
                 // only leave room unused.
                 match shard_room {
-                    Some((nodes, lists)) => {
-                        shard.reserve_for_graft(nodes[shard_idx], lists[shard_idx]);
+                    Some(room) => {
+                        let table = std::mem::take(&mut room.tables[shard_idx]);
+                        shard.reserve_for_graft(
+                            room.nodes_per_shard[shard_idx],
+                            room.lists_per_shard[shard_idx],
+                            table,
+                        );
                     }
                     None => {
                         let shards = shard_sized.len();

@@ -423,9 +423,15 @@ impl Shard {
         self.by_hash.reserve(additional);
     }
 
-    /// Room for `nodes` more nodes in the table and `lists` more carrier lists in the pool.
-    pub(crate) fn reserve_for_graft(&mut self, nodes: usize, lists: usize) {
-        self.by_hash.reserve(nodes);
+    /// Room for `nodes` more nodes in the table and `lists` more carrier lists in the pool. A
+    /// shard whose table holds nothing takes `table` (empty, with room for `nodes`, built off the
+    /// writer) instead of writing a table of that size here, under the shard's write lock.
+    pub(crate) fn reserve_for_graft(&mut self, nodes: usize, lists: usize, table: HashSlots) {
+        if self.by_hash.is_empty() && table.allocated_bytes() > 0 {
+            self.by_hash = table;
+        } else {
+            self.by_hash.reserve(nodes);
+        }
         self.lists
             .reserve(lists.saturating_sub(self.free_lists.len()));
     }

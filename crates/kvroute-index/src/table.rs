@@ -64,7 +64,7 @@ pub(crate) fn prefetch_ptr<T>(p: &T) {
     let _ = p;
 }
 
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub(crate) struct HashSlots {
     /// `homes + tail` slots (or none before the first insert).
     slots: Vec<u64>,
@@ -82,6 +82,20 @@ impl HashSlots {
 
     pub(crate) fn allocated_bytes(&self) -> usize {
         self.slots.capacity() * std::mem::size_of::<u64>()
+    }
+
+    /// An empty table with room for `entries` entries, laid out as `reserve` on an empty table
+    /// would lay it out; no entries, no allocation.
+    pub(crate) fn with_room(entries: usize) -> HashSlots {
+        let mut table = HashSlots::default();
+        if entries > 0 {
+            table.reserve(entries);
+        }
+        table
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// Hints the CPU to load the slots `hash` probes first: the home slot and the 7 after it,

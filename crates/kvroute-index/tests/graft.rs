@@ -190,6 +190,14 @@ fn graft_answers_match_prefix_like_restore_for_the_same_snapshot() {
 #[test]
 fn graft_never_touches_a_carrier_of_a_rank_not_named() {
     // The target already serves ranks 0 and 1 (its own content); the snapshot carries ranks 0..3.
+    // Laid out for the target, the plan brings prebuilt tables, which only a shard holding
+    // nothing may take: a shard with live nodes must keep its table.
+    for laid_out in [false, true] {
+        graft_leaves_ranks_not_named_alone(laid_out);
+    }
+}
+
+fn graft_leaves_ranks_not_named_alone(laid_out: bool) {
     let (src, queries) = source(2, 4, 10);
     let snap = src.export_snapshot();
     let (own, _) = source(3, 2, 8);
@@ -205,7 +213,11 @@ fn graft_never_touches_a_carrier_of_a_rank_not_named() {
         })
         .collect();
     // The plan keeps every rank; the writer is told to graft only 2 and 3.
-    graft_in_slices(&mut w, plan_all(&snap), &ids[2..], 5);
+    let mut plan = plan_all(&snap);
+    if laid_out {
+        plan.lay_out_for(&r);
+    }
+    graft_in_slices(&mut w, plan, &ids[2..], 5);
     for i in 0..2u32 {
         assert_eq!(
             (
@@ -213,7 +225,7 @@ fn graft_never_touches_a_carrier_of_a_rank_not_named() {
                 r.rank_stats(ids[i as usize])
             ),
             live_before[i as usize],
-            "rank {i} changed"
+            "rank {i} changed (plan laid out: {laid_out})"
         );
     }
     for i in 2..4u32 {

@@ -361,7 +361,6 @@ fn main() {
         plan_s,
         graft_s,
         slices,
-        slice_max_s,
         carried: grafted_carried,
     } = plan_and_graft(decoded);
     assert_eq!(
@@ -369,8 +368,8 @@ fn main() {
         "the grafted index carries the same pairs"
     );
     println!(
-        "encode onto a loopback socket while the other end decodes {stream_s:.2} s, against encode into memory {encode_s:.2} s + decode of the whole body {whole_decode_s:.2} s in sequence (admitted by the default decode limits: {default_verdict}); graft plan {plan_s:.2} s; graft {graft_s:.2} s in {slices} slices (longest {:.1} ms)",
-        slice_max_s * 1e3
+        "encode onto a loopback socket while the other end decodes {stream_s:.2} s, against encode into memory {encode_s:.2} s + decode of the whole body {whole_decode_s:.2} s in sequence (admitted by the default decode limits: {default_verdict}); graft plan {plan_s:.2} s; graft {graft_s:.2} s in {}",
+        slices.describe()
     );
     let total = export_s + stream_s + plan_s + graft_s;
     println!(
@@ -386,9 +385,34 @@ fn main() {
 struct Grafted {
     plan_s: f64,
     graft_s: f64,
-    slices: usize,
-    slice_max_s: f64,
+    slices: SliceTimes,
     carried: u64,
+}
+
+/// How long the graft's slices held the writer: each is time a live batch of another rank may
+/// wait behind it.
+struct SliceTimes {
+    sorted_us: Vec<u64>,
+}
+
+/// The wait a live batch may have behind a slice at 64 ranks (the live-apply bound).
+const SLICE_BUDGET_US: u64 = 50_000;
+
+impl SliceTimes {
+    fn describe(&self) -> String {
+        let over = self
+            .sorted_us
+            .iter()
+            .filter(|&&us| us > SLICE_BUDGET_US)
+            .count();
+        format!(
+            "{} slices (p99 {:.1} ms, longest {:.1} ms, {over} over {} ms)",
+            self.sorted_us.len(),
+            percentile(&self.sorted_us, 0.99) as f64 / 1e3,
+            self.sorted_us.last().copied().unwrap_or(0) as f64 / 1e3,
+            SLICE_BUDGET_US / 1_000
+        )
+    }
 }
 
 /// The consumer's own stages: the graft plan (validation and the engine-hash check, off the
@@ -414,26 +438,26 @@ fn plan_and_graft(decoded: IndexSnapshot) -> Grafted {
         .collect();
     let t = Instant::now();
     let mut job = w2.begin_graft(plan, &pending).expect("the graft begins");
-    let mut slices = 0usize;
-    let mut slice_max_s = 0f64;
+    let mut slice_us = Vec::new();
     loop {
         let slice = Instant::now();
         let progress = w2
             .graft_step(&mut job, GRAFT_SLICE_ITEMS_MAX)
             .expect("own job");
-        slices += 1;
-        slice_max_s = slice_max_s.max(slice.elapsed().as_secs_f64());
+        slice_us.push(slice.elapsed().as_micros() as u64);
         if let GraftProgress::Done(_) = progress {
             break;
         }
     }
     let graft_s = t.elapsed().as_secs_f64();
     drop(job);
+    slice_us.sort_unstable();
     Grafted {
         plan_s,
         graft_s,
-        slices,
-        slice_max_s,
+        slices: SliceTimes {
+            sorted_us: slice_us,
+        },
         carried: r2.total_carried(),
     }
 }
@@ -456,11 +480,10 @@ fn consume_saved_snapshot(path: &str) {
     let nodes = decoded.nodes.len();
     let grafted = plan_and_graft(decoded);
     println!(
-        "consumer alone (a process that never held the warm index): decode from the file {decode_s:.2} s, graft plan {:.2} s, graft {:.2} s in {} slices (longest {:.1} ms) of {nodes} nodes and {} carried pairs; peak bytes allocated {:.2} GB",
+        "consumer alone (a process that never held the warm index): decode from the file {decode_s:.2} s, graft plan {:.2} s, graft {:.2} s in {} of {nodes} nodes and {} carried pairs; peak bytes allocated {:.2} GB",
         grafted.plan_s,
         grafted.graft_s,
-        grafted.slices,
-        grafted.slice_max_s * 1e3,
+        grafted.slices.describe(),
         grafted.carried,
         gb(PEAK_BYTES.load(Relaxed))
     );
