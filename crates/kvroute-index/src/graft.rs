@@ -195,12 +195,7 @@ impl GraftPlan {
         let mut carriers_before = 0u32;
         for i in 0..n.len() {
             // Parents precede children (validated by `new`), so a parent's shard is known.
-            let s = match n.parent[i] {
-                NO_PARENT => shared.shard_of_root(n.content_hash[i]),
-                p => usize::from(shard_of[p as usize]),
-            };
-            // Shard counts are at most SHARD_COUNT_MAX (256), so a shard index fits a byte.
-            shard_of[i] = s as u8;
+            let s = shard_of_node(shared, n, &mut shard_of, i);
             nodes_per_shard[s] += 1;
             if n.carrier_end[i] - carriers_before >= 2 {
                 lists_per_shard[s] += 1;
