@@ -103,7 +103,7 @@ pub struct GraftPlan {
     /// `rank_engines[rank_carrier_start[r]..rank_carrier_start[r + 1]]`. Built by the duplicate
     /// check and kept for the job's side-map stage, which needs exactly this grouping; building
     /// it once saves the job a second column of the same size (820 MB of fresh memory at 1,024
-    /// ranks x 100,000 blocks, where first touches of memory are much of a graft's time).
+    /// ranks x 100,000 blocks).
     rank_carrier_start: Vec<usize>,
     rank_engines: Vec<u64>,
     uncovered: Vec<RankRef>,
@@ -115,8 +115,9 @@ pub struct GraftPlan {
 /// each shard's node table and list pool once, to what that shard will hold. Without it a shard
 /// is sized to an even share of the snapshot; root-based sharding makes shards uneven (a popular
 /// system prompt pulls all its conversations into one shard), and a shard past its share grows
-/// its table by 1.25x steps, each a fresh table written whole. On a host where first touches of
-/// memory are slow, those discarded tables are a large part of a big graft's time.
+/// its table by 1.25x steps, each a fresh table written whole and the last one discarded, while
+/// a shard below its share leaves room unused. (At 1,024 ranks exact sizing lowered the peak by
+/// 0.17 GB; the graft's time did not measurably change: docs/BENCHMARKS.md.)
 ///
 /// It also carries each shard's empty table, already of that size: writing a table of tens of
 /// megabytes (a large shard at 1,024 ranks) is fresh memory first touched, which took a graft
