@@ -340,14 +340,22 @@ impl IndexReader {
             snap_rank_of_id[*id as usize] = pos as u32;
         }
 
-        let total_hint = shared
+        // Every column sized once to what the index holds now (bounded by the index's own cap
+        // on carried pairs, and by its nodes): grown by doubling instead, a column is written
+        // about twice over and copied at each step, and at 1,024 ranks the carrier columns
+        // passed the old fixed cap of 50 M and doubled to room for 200 M. On a host where first
+        // touches of memory are slow, that writing is most of an export's time.
+        let carriers_hint = shared
             .total_carried_hint()
-            .min(crate::index::DEFAULT_CARRIED_BLOCKS_MAX) as usize;
+            .min(shared.cfg.max_carried_blocks) as usize;
+        let nodes_hint = self.node_count() as usize;
         let mut out = SnapshotNodes {
-            carrier_rank: Vec::with_capacity(total_hint),
-            carrier_tiers: Vec::with_capacity(total_hint),
-            carrier_engine_hash: Vec::with_capacity(total_hint),
-            ..SnapshotNodes::default()
+            parent: Vec::with_capacity(nodes_hint),
+            content_hash: Vec::with_capacity(nodes_hint),
+            carrier_end: Vec::with_capacity(nodes_hint),
+            carrier_rank: Vec::with_capacity(carriers_hint),
+            carrier_tiers: Vec::with_capacity(carriers_hint),
+            carrier_engine_hash: Vec::with_capacity(carriers_hint),
         };
         let mut carried_per_rank = vec![0u64; table.len()];
         let mut recs: Vec<Rec> = Vec::new();
