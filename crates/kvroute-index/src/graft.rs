@@ -648,20 +648,18 @@ impl IndexWriter {
                 // writes here: one rehash of the shard's table instead of one per growth step
                 // while its nodes arrive. Nodes already in the index (shared with live ranks)
                 // only leave room unused.
-                match shard_room {
-                    Some(room) => {
-                        let table = std::mem::take(&mut room.tables[shard_idx]);
-                        shard.reserve_for_graft(
-                            room.nodes_per_shard[shard_idx],
-                            room.lists_per_shard[shard_idx],
-                            table,
-                        );
-                    }
+                let (nodes, lists, table) = match shard_room {
+                    Some(room) => (
+                        room.nodes_per_shard[shard_idx],
+                        room.lists_per_shard[shard_idx],
+                        std::mem::take(&mut room.tables[shard_idx]),
+                    ),
                     None => {
-                        let shards = shard_sized.len();
-                        shard.reserve_nodes(total / shards + total / shards / 8);
+                        let share = total / shard_sized.len();
+                        (share + share / 8, 0, HashSlots::default())
                     }
-                }
+                };
+                shard.reserve_for_graft(nodes, lists, table);
                 shard_sized[shard_idx] = true;
             }
             let mut in_lock = 0usize;

@@ -24,9 +24,10 @@
 //! on it (decode from the file, plan, graft) in a fresh process.
 //!
 //! Run: `CARGO_PROFILE_BENCH_DEBUG=0 cargo bench -p kvroute --bench scale_1024`. Env:
-//! KVROUTE_SCALE_RANKS (1024), KVROUTE_SCALE_BLOCKS (100000, per rank), KVROUTE_SCALE_PLAN_LAYOUT
-//! (`0` grafts without the plan's shard layout, each shard sized to an even share). Needs ~12 GB of memory
-//! at the default size (the index, its export and a grafted copy are alive at once).
+//! KVROUTE_SCALE_RANKS (1024), KVROUTE_SCALE_BLOCKS (100000, per rank),
+//! KVROUTE_SCALE_PLAN_LAYOUT (`0` grafts without the plan's shard layout, each shard sized to an
+//! even share). Needs ~12 GB of memory at the default size (the index, its export and a grafted
+//! copy are alive at once).
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::io::Write;
