@@ -53,6 +53,14 @@ pub struct SweepArgs {
     #[arg(long, default_value_t = kvroute::peer::load_share::DEFAULT_LOAD_SHARE_INTERVAL_MS,
           value_parser = clap::value_parser!(u64).range(1..=kvroute::peer::load_share::LOAD_SHARE_INTERVAL_MS_MAX))]
     pub replica_load_share_interval_ms: u64,
+    /// The replicas' `--cold-owner` in the sharing rows (the rows without sharing run with it
+    /// off).
+    #[arg(long, value_enum, default_value_t = kvroute::config::ColdOwnerScope::Fleet)]
+    pub replica_cold_owner: kvroute::config::ColdOwnerScope,
+    /// The replicas' `--cold-owner-timeout-ms`.
+    #[arg(long, default_value_t = kvroute::config::DEFAULT_COLD_OWNER_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1..=kvroute::config::COLD_OWNER_TIMEOUT_MS_MAX))]
+    pub replica_cold_owner_timeout_ms: u64,
     /// Also run each replica count (above 1) with every request sent through the first replica:
     /// the CPU cost of N replicas subscribed and indexing, one router's placement. A control
     /// that separates what the extra replicas cost the machine from what they cost routing.
@@ -75,6 +83,8 @@ impl Default for SweepArgs {
             replica_rounds: 5,
             replica_load_share_interval_ms:
                 kvroute::peer::load_share::DEFAULT_LOAD_SHARE_INTERVAL_MS,
+            replica_cold_owner: kvroute::config::ColdOwnerScope::Fleet,
+            replica_cold_owner_timeout_ms: kvroute::config::DEFAULT_COLD_OWNER_TIMEOUT_MS,
             replica_through_one: false,
             replica_trace_out: None,
         }
@@ -99,7 +109,13 @@ pub struct SweepRun {
     pub run: RunResult,
     pub first_turns_ttft_p90_ms: f64,
     pub later_turns_ttft_p90_ms: f64,
+    /// Cold prompts the replicas placed through their owner, summed over the replicas, by
+    /// outcome ([`COLD_OUTCOMES`]).
+    pub cold_placements: [u64; COLD_OUTCOMES.len()],
 }
+
+/// The outcomes of `kvroute_cold_placements_total` the sweep reports, in its column order.
+pub const COLD_OUTCOMES: [&str; 3] = ["owner_chose", "owner_failed", "owner_rank_unknown"];
 
 fn p90_ms<'a>(samples: impl Iterator<Item = &'a super::Sample>) -> f64 {
     super::p90(samples.map(|s| s.ttft.as_secs_f64() * 1000.0).collect())
@@ -152,6 +168,17 @@ impl SweepRow {
                 .filter_map(|r| r.run.balance.as_ref().map(|b| b.busiest_rank_share()))
                 .collect(),
         )
+    }
+    /// Mean cold placements per round, by outcome ([`COLD_OUTCOMES`]).
+    fn cold_placed(&self) -> [f64; COLD_OUTCOMES.len()] {
+        let rounds = self.rounds.len().max(1) as f64;
+        std::array::from_fn(|i| {
+            self.rounds
+                .iter()
+                .map(|r| r.cold_placements[i] as f64)
+                .sum::<f64>()
+                / rounds
+        })
     }
     fn failures(&self) -> usize {
         self.rounds.iter().map(|r| r.run.failures).sum()
@@ -206,6 +233,12 @@ async fn run_once(
             load_share: LoadShareConfig {
                 enabled: sharing,
                 interval_ms: args.sweep.replica_load_share_interval_ms,
+                cold_owner: if sharing {
+                    args.sweep.replica_cold_owner
+                } else {
+                    kvroute::config::ColdOwnerScope::Off
+                },
+                cold_owner_timeout_ms: args.sweep.replica_cold_owner_timeout_ms,
                 ..LoadShareConfig::default()
             },
             ..router_config(
@@ -235,6 +268,18 @@ async fn run_once(
     let entries = if through_one { 1 } else { handles.len() };
     let urls: Vec<String> = handles[..entries].iter().map(|h| h.url()).collect();
     let driven = drive(&urls, args, conversations, bar).await;
+    let cold_placements = COLD_OUTCOMES.map(|outcome| {
+        handles
+            .iter()
+            .map(|h| {
+                h.router
+                    .metrics
+                    .cold_placements
+                    .with_label_values(&[outcome])
+                    .get()
+            })
+            .sum::<u64>()
+    });
     for h in handles {
         h.shutdown().await;
     }
@@ -255,6 +300,7 @@ async fn run_once(
         run: summarize(label, driven, Some(balance), None),
         first_turns_ttft_p90_ms,
         later_turns_ttft_p90_ms,
+        cold_placements,
     })
 }
 
@@ -381,6 +427,9 @@ fn row_json(row: &SweepRow) -> Value {
             "later_turns_ttft_p90_ms": r.later_turns_ttft_p90_ms,
             "ttft_mean_ms": r.run.ttft_mean_ms,
             "busiest_rank_share": r.run.balance.as_ref().map(|b| b.busiest_rank_share()),
+            "cold_placements": COLD_OUTCOMES.iter().zip(r.cold_placements)
+                .map(|(o, n)| (o.to_string(), json!(n)))
+                .collect::<serde_json::Map<_, _>>(),
             "requests": r.run.requests,
             "failures": r.run.failures,
         })).collect::<Vec<_>>(),
@@ -439,6 +488,19 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
                 row.later_turns_ttft_p90_ms(),
                 row.busiest_rank_share() * 100.0,
                 versus
+            );
+        }
+        for row in rows
+            .iter()
+            .filter(|r| r.cold_placed().iter().any(|&n| n > 0.0))
+        {
+            let per_round = row.cold_placed();
+            println!(
+                "{}: cold prompts per round placed by their owner {:.1}, owner failed {:.1}, owner's rank unknown {:.1}",
+                row.label(),
+                per_round[0],
+                per_round[1],
+                per_round[2]
             );
         }
         println!("total wall time {:.1} s", started.elapsed().as_secs_f64());

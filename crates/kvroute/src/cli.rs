@@ -148,6 +148,19 @@ pub struct ServeArgs {
           value_parser = clap::value_parser!(u64).range(
               crate::peer::load_share::LOAD_SHARE_STALE_MS_MIN..=crate::peer::load_share::LOAD_SHARE_STALE_MS_MAX))]
     pub load_share_stale_ms: u64,
+    /// Which replica places a cold prompt (one no engine has confirmed half of): `fleet`, one
+    /// replica (a rendezvous hash over this replica and its siblings) for every cold prompt;
+    /// `prefix`, the sibling that owns its prefix (the same hash keyed by its opening blocks);
+    /// `off`, the replica it reached. With one owner, replicas receiving one new prefix at the
+    /// same instant start it on one rank instead of each on its own.
+    #[arg(long, env = "KVROUTE_COLD_OWNER", value_enum,
+          default_value_t = crate::config::ColdOwnerScope::Fleet)]
+    pub cold_owner: crate::config::ColdOwnerScope,
+    /// Longest wait for the owner's placement before placing the cold prompt here.
+    #[arg(long, env = "KVROUTE_COLD_OWNER_TIMEOUT_MS",
+          default_value_t = crate::config::DEFAULT_COLD_OWNER_TIMEOUT_MS,
+          value_parser = clap::value_parser!(u64).range(1..=crate::config::COLD_OWNER_TIMEOUT_MS_MAX))]
+    pub cold_owner_timeout_ms: u64,
     /// How often (ms) engines without a ZMQ load feed (vLLM) have their `/metrics` read for
     /// running and waiting requests, which the cost model takes as the engine's own load.
     /// 0 = never.
@@ -381,6 +394,8 @@ impl ServeArgs {
                 enabled: self.load_share,
                 interval_ms: self.load_share_interval_ms,
                 stale_ms: self.load_share_stale_ms,
+                cold_owner: self.cold_owner,
+                cold_owner_timeout_ms: self.cold_owner_timeout_ms,
             },
             ..RouterConfig::default()
         })

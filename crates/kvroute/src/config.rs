@@ -246,13 +246,43 @@ pub const DEFAULT_ENGINE_METRICS_INTERVAL_MS: u64 = 500;
 /// Largest accepted `--engine-metrics-interval-ms`.
 pub const ENGINE_METRICS_INTERVAL_MS_MAX: u64 = 60_000;
 
-/// `--load-share*`.
+/// Default `--cold-owner-timeout-ms`: longest wait for the owner replica's placement of a cold
+/// prompt (`crate::peer::cold_owner`). Between two hosts the answer takes well under a
+/// millisecond, and a cold prompt's prefill tens of milliseconds. The bound is for an owner
+/// that is slow to schedule: with four replicas, eight engine ranks and the client sharing two
+/// cores (the demo's replica sweep), 5 ms timed out on about half the placements and 25 ms on
+/// one in twenty, and a placement that times out is worse than none (docs/BENCHMARKS.md).
+pub const DEFAULT_COLD_OWNER_TIMEOUT_MS: u64 = 25;
+/// Largest accepted `--cold-owner-timeout-ms`.
+pub const COLD_OWNER_TIMEOUT_MS_MAX: u64 = 1_000;
+
+/// `--cold-owner`: which replica places a cold prompt (`crate::peer::cold_owner`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ColdOwnerScope {
+    /// Every replica places the cold prompts it receives.
+    Off,
+    /// The replica that owns the prompt's prefix (a rendezvous hash of its opening blocks):
+    /// replicas agree per prefix, and the placements spread over the replicas. Measured worse
+    /// than `fleet` on the demo (each owner sees only its own cold placements at once); for a
+    /// fleet whose cold placements one replica could not answer.
+    Prefix,
+    /// One replica (the rendezvous winner of a fixed key) places every cold prompt: replicas
+    /// agree per prefix AND every cold placement sees the ones before it, as with one router.
+    /// The default.
+    Fleet,
+}
+
+/// `--load-share*` and `--cold-owner*`.
 #[derive(Debug, Clone, Copy)]
 pub struct LoadShareConfig {
     /// Follow the siblings' bookings (the producer endpoint is always served).
     pub enabled: bool,
     pub interval_ms: u64,
     pub stale_ms: u64,
+    /// Ask the replica that owns a cold prompt's prefix to place it (the placement endpoint is
+    /// always served).
+    pub cold_owner: ColdOwnerScope,
+    pub cold_owner_timeout_ms: u64,
 }
 
 impl Default for LoadShareConfig {
@@ -261,6 +291,8 @@ impl Default for LoadShareConfig {
             enabled: true,
             interval_ms: DEFAULT_LOAD_SHARE_INTERVAL_MS,
             stale_ms: DEFAULT_LOAD_SHARE_STALE_MS,
+            cold_owner: ColdOwnerScope::Fleet,
+            cold_owner_timeout_ms: DEFAULT_COLD_OWNER_TIMEOUT_MS,
         }
     }
 }

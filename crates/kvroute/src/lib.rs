@@ -169,6 +169,21 @@ pub async fn serve_with_workers(
             addr: internal_listen,
             source,
         })?;
+    match peer::cold_owner::self_peer_url(peer_config.as_ref(), internal_addr) {
+        Some(me) => {
+            let _ = router.self_peer.set(me);
+        }
+        None if router.config.load_share.cold_owner != config::ColdOwnerScope::Off
+            && peer_config.is_some() =>
+        {
+            tracing::warn!(
+            %internal_addr,
+            "cold-prompt ownership is off: this replica cannot tell how its siblings name it \
+             (a wildcard --internal-bind and no --advertise-url or POD_IP); set one of them"
+            )
+        }
+        None => {}
+    }
     let peer_source = match peer_config {
         Some(cfg) => Some(
             kvroute_discovery::spawn_peer_source(cfg, router.peers.clone())

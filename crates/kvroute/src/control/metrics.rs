@@ -41,6 +41,11 @@ pub struct Metrics {
     pub load_share_siblings: prometheus::IntGauge,
     /// Engine `/metrics` scrapes by `result`: `ok`, `no_vllm_gauges`, `failed`.
     pub engine_metrics_scrapes: IntCounterVec,
+    /// Cold prompts placed by their owner replica (`crate::peer::cold_owner`), by `outcome`:
+    /// `owner_chose` (this replica asked and took the owner's rank), `owner_rank_unknown` (the
+    /// owner named a rank this replica cannot route to), `owner_failed` (no usable answer in
+    /// time: placed here), `served` (this replica placed a sibling's cold prompt).
+    pub cold_placements: IntCounterVec,
 }
 
 impl Metrics {
@@ -182,6 +187,14 @@ impl Metrics {
             ),
             &["result"],
         )?;
+        let cold_placements = IntCounterVec::new(
+            Opts::new(
+                "kvroute_cold_placements_total",
+                "Cold prompts placed by the replica that owns their prefix, by outcome",
+            ),
+            &["outcome"],
+        )?;
+        registry.register(Box::new(cold_placements.clone()))?;
         registry.register(Box::new(engine_metrics_scrapes.clone()))?;
         registry.register(Box::new(load_share_frames.clone()))?;
         registry.register(Box::new(load_share_siblings.clone()))?;
@@ -211,6 +224,7 @@ impl Metrics {
             load_share_frames,
             load_share_siblings,
             engine_metrics_scrapes,
+            cold_placements,
         })
     }
 

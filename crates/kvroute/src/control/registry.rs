@@ -53,6 +53,13 @@ pub struct RankLoad {
     /// load-share aggregator, read by the cost model next to the router's own counters.
     pub sibling_in_flight: AtomicI64,
     pub sibling_queued_prefill_tokens: AtomicI64,
+    /// Requests this replica placed on the rank for a sibling as the owner of a cold prompt
+    /// (`crate::peer::cold_owner`), counted for a short while
+    /// ([`crate::peer::cold_owner::placed_booking_ms`]) until the sibling's own bookings reach
+    /// this replica. Read by this replica's cost model only, never shared: the sibling shares
+    /// the real booking.
+    pub placed_in_flight: AtomicI64,
+    pub placed_queued_prefill_tokens: AtomicI64,
     /// vLLM's running and waiting requests on this rank from its `/metrics`, and when (on
     /// [`clock_us`], 0 = never) they were read (see `crate::control::engine_metrics`).
     pub engine_metrics_running: AtomicU64,

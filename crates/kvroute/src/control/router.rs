@@ -55,6 +55,10 @@ pub struct Router {
     /// Bytes of large bodies being prepared at once (see
     /// [`crate::config::PREPARE_BUDGETS_IN_FLIGHT`]).
     pub prepare_budget: Arc<tokio::sync::Semaphore>,
+    /// How the siblings name this replica, set by `serve` once the internal listener is bound;
+    /// unset (cold-prompt ownership off) when it cannot be known
+    /// (`crate::peer::cold_owner::self_peer_url`).
+    pub self_peer: std::sync::OnceLock<kvroute_discovery::PeerUrl>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -112,6 +116,7 @@ impl Router {
             registry: Registry::new(config.prompt_tokens_max),
             predictions: crate::routing::prediction::PredictionChecks::new(config.prediction_check),
             load_share: Default::default(),
+            self_peer: std::sync::OnceLock::new(),
             prepare_budget: Arc::new(tokio::sync::Semaphore::new(
                 crate::config::PREPARE_BUDGETS_IN_FLIGHT
                     .saturating_mul(config.tokenize_text_bytes_max)

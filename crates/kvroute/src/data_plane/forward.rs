@@ -438,12 +438,13 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Routed, A
             })
             .clone();
         let uncached = plan.decision.scores[idx].uncached_tokens as i64;
-        let guard = LoadGuard::acquire(
-            rank.clone(),
-            gauge,
-            uncached,
-            (uncached.max(0) as f64 * router.policy.weights.prefill_cost_us_per_token) as u64,
-        );
+        // A cold prompt's owner queued this prefill on its own clock (`peer::cold_owner`).
+        let prefill_work_us = if plan.prefill_booked_by_owner == Some(idx) {
+            0
+        } else {
+            (uncached.max(0) as f64 * router.policy.weights.prefill_cost_us_per_token) as u64
+        };
+        let guard = LoadGuard::acquire(rank.clone(), gauge, uncached, prefill_work_us);
         let dp_rank_text = cand.dp_rank.to_string();
         let mut upstream_headers = vec![(DP_RANK_HEADER, dp_rank_text.as_str())];
         upstream_headers.extend(request_id_header.map(|v| (REQUEST_ID_HEADER, v)));

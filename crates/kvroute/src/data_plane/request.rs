@@ -80,7 +80,17 @@ pub async fn route_request(
         body,
         rewritten,
     } = prepared;
-    let plan = router.plan(group, &tokens)?;
+    let mut plan = router.plan(group, &tokens)?;
+    if let Some(deferral) = &plan.cold_deferral {
+        // A cold prompt another replica owns: its placement, or ours past the timeout.
+        let placement =
+            crate::peer::cold_owner::ask_owner(router, &deferral.owner, &plan.model.name, &tokens)
+                .await;
+        if let Err(e) = &placement {
+            tracing::debug!(owner = %deferral.owner, error = %e, "cold placement not used");
+        }
+        router.settle_cold(&mut plan, placement.as_ref().ok());
+    }
     // The ids are not needed past planning, and a maximal body's ids take twice its size: they
     // are freed before the forward, which can take as long as the engine does.
     drop(tokens);

@@ -19,6 +19,8 @@
 //! * `GET /internal/kv_cursors[?model=NAME]`: the rank table and cursors, never cached.
 //! * `GET /internal/load_bookings`: an endless stream of this replica's own per-rank load
 //!   bookings, for siblings' cost models ([`crate::peer::load_share`]).
+//! * `POST /internal/cold_place`: this replica places a sibling's cold prompt as the owner of
+//!   its prefix and names the rank ([`crate::peer::cold_owner`]).
 //!
 //! Both answer 404 when this replica keeps no index for the model (policy not cache-aware, no
 //! worker publishing events, unknown model), 400 when several models have indexes and none was
@@ -118,6 +120,12 @@ pub fn internal_app(
             get(|State(s): State<InternalState>| async move {
                 crate::peer::load_share_tasks::bookings_stream_response(&s.router)
             }),
+        )
+        .route(
+            crate::peer::cold_owner::COLD_PLACE_PATH,
+            axum::routing::post(cold_place).layer(axum::extract::DefaultBodyLimit::max(
+                crate::peer::cold_owner::COLD_PLACE_BODY_MAX_BYTES,
+            )),
         )
         .fallback(|| async { refuse(StatusCode::NOT_FOUND, "not_found", "unknown internal route") })
         .with_state(state)
@@ -469,6 +477,46 @@ async fn kv_cursors(
     resp.headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     resp
+}
+
+/// Places a sibling's cold prompt as the owner of its prefix (`crate::peer::cold_owner`): the
+/// body is the prompt's token ids (little-endian `u32`), the model is named by a header. 400 for
+/// a body that is not token ids, 413 past the cap, 404 for a model this replica does not serve,
+/// 503 when it has no healthy rank for it.
+async fn cold_place(
+    State(s): State<InternalState>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    use crate::peer::cold_owner::{COLD_PLACE_MODEL_HEADER, ColdPlaceError, read_token_ids};
+    let tokens = match read_token_ids(&body) {
+        Ok(t) => t,
+        Err(e @ ColdPlaceError::TooLarge) => {
+            return refuse(StatusCode::PAYLOAD_TOO_LARGE, "too_large", &e.to_string());
+        }
+        Err(e) => return refuse(StatusCode::BAD_REQUEST, "bad_body", &e.to_string()),
+    };
+    let model = headers
+        .get(COLD_PLACE_MODEL_HEADER)
+        .and_then(|v| v.to_str().ok());
+    let placed = s
+        .router
+        .resolve_model(model)
+        .and_then(|group| s.router.plan_as_owner(group, &tokens));
+    match placed {
+        Ok(placement) => {
+            s.router
+                .metrics
+                .cold_placements
+                .with_label_values(&["served"])
+                .inc();
+            let mut resp = axum::Json(placement).into_response();
+            resp.headers_mut()
+                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            resp
+        }
+        Err(e) => e.into_response(),
+    }
 }
 
 #[cfg(test)]

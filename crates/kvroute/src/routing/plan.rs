@@ -15,6 +15,7 @@ use std::time::Instant;
 use crate::control::registry::{ModelGroup, Worker};
 use crate::control::router::Router;
 use crate::error::ApiError;
+use crate::peer::cold_owner::{self, ColdDeferral, ColdPlacement};
 use crate::routing::pending::{RankKey, RankWalk};
 use crate::routing::policy::{Decision, EngineLoad, RankInput};
 
@@ -46,6 +47,23 @@ pub struct RoutePlan {
     pub decision: Decision,
     pub prompt_tokens: usize,
     pub indexed: bool,
+    /// Set when the prompt is cold and another replica owns its prefix: nothing was recorded,
+    /// and the caller asks the owner, then calls [`Router::settle_cold`].
+    pub cold_deferral: Option<ColdDeferral>,
+    /// The candidate whose prefill work the cold prompt's owner already queued on its own
+    /// clock (and shares): dispatching there books the request, not the work again.
+    pub prefill_booked_by_owner: Option<usize>,
+}
+
+/// What a plan may change besides choosing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PlanMode {
+    /// The routing path: record the pending prefix, or defer a cold prompt to its owner.
+    Route,
+    /// `/debug/route`: change nothing.
+    Preview,
+    /// Placing a sibling's cold prompt as its owner: record, never defer again.
+    Owner,
 }
 
 impl RoutePlan {
@@ -107,7 +125,124 @@ impl Router {
     /// Scores every routable rank of `group` for `tokens` and orders them, and (cache_aware)
     /// records the prompt's blocks as pending on the chosen rank: the routing path.
     pub fn plan(&self, group: Arc<ModelGroup>, tokens: &[u32]) -> Result<RoutePlan, ApiError> {
-        self.plan_inner(group, tokens, true)
+        self.plan_inner(group, tokens, PlanMode::Route)
+    }
+
+    /// Plans a sibling's cold prompt as the owner of its prefix (`crate::peer::cold_owner`):
+    /// records the pending prefix on the chosen rank like the routing path, books no load (the
+    /// sibling that routes the request does), and never defers to another owner.
+    pub fn plan_as_owner(
+        &self,
+        group: Arc<ModelGroup>,
+        tokens: &[u32],
+    ) -> Result<ColdPlacement, ApiError> {
+        let plan = self.plan_inner(group, tokens, PlanMode::Owner)?;
+        let chosen = plan.chosen();
+        let worker = plan.worker(chosen);
+        let uncached = plan.decision.scores[plan.decision.order[0]].uncached_tokens;
+        let prefill_booked_us =
+            (uncached.max(0.0) * self.policy.weights.prefill_cost_us_per_token) as u64;
+        if let Some(rank) = worker.ranks.get(chosen.dp_rank as usize) {
+            rank.reserve_prefill(crate::control::registry::clock_us(), prefill_booked_us);
+            cold_owner::book_placed(self, rank.clone(), uncached.max(0.0) as i64);
+        }
+        Ok(ColdPlacement {
+            worker_url: worker.url.clone(),
+            dp_rank: chosen.dp_rank,
+            prefill_booked_us,
+        })
+    }
+
+    /// Finishes a plan deferred to a cold prompt's owner: routes to the owner's rank when this
+    /// replica can (`placement`), else keeps its own choice, then records and publishes the
+    /// pending prefix as the routing path does. A plan with no deferral is left unchanged.
+    pub fn settle_cold(&self, plan: &mut RoutePlan, placement: Option<&ColdPlacement>) {
+        let Some(deferral) = plan.cold_deferral.take() else {
+            return;
+        };
+        let outcome = match placement {
+            None => "owner_failed",
+            Some(p) => {
+                let at = plan.decision.order.iter().position(|&i| {
+                    let c = &plan.candidates[i];
+                    c.dp_rank == p.dp_rank && plan.worker(c).url == p.worker_url
+                });
+                match at {
+                    Some(at) => {
+                        let i = plan.decision.order.remove(at);
+                        plan.decision.order.insert(0, i);
+                        plan.decision.reason = "cold_owner";
+                        plan.prefill_booked_by_owner = Some(i);
+                        "owner_chose"
+                    }
+                    None => "owner_rank_unknown",
+                }
+            }
+        };
+        self.metrics
+            .cold_placements
+            .with_label_values(&[outcome])
+            .inc();
+        let chosen = plan.chosen().clone();
+        self.record_pending_choice(&plan.model, &deferral.hashes, &chosen, Instant::now());
+    }
+
+    /// Records the prompt's blocks the chosen rank neither holds nor has pending, and offers
+    /// them to the siblings' streams.
+    fn record_pending_choice(
+        &self,
+        group: &ModelGroup,
+        hashes: &[u64],
+        chosen: &RankCandidate,
+        now: Instant,
+    ) {
+        // Only blocks neither indexed nor already pending there: an existing entry is not
+        // refreshed, because the request that made it is the one that will produce those
+        // blocks, so its TTL is the right horizon (and a stream of requests for a prefix that
+        // is never confirmed cannot keep it alive forever).
+        self.pending.record(
+            &group.name,
+            hashes,
+            chosen.input.matched_blocks as usize,
+            rank_key(group, chosen),
+            now,
+            chosen.input.pending_blocks > 0,
+        );
+        // The same hint for the siblings (load sharing), so a cold prefix's next request
+        // follows this one whichever replica it reaches.
+        self.load_share.publish_pending(
+            &group.name,
+            &group.workers[chosen.worker_position].url,
+            chosen.dp_rank,
+            hashes
+                .get(chosen.input.matched_blocks as usize..)
+                .unwrap_or(&[]),
+        );
+    }
+
+    /// The sibling that owns a cold prompt's prefix, when it is not this replica and ownership
+    /// is on (`crate::peer::cold_owner`); `None` means "place it here".
+    fn cold_owner_of(
+        &self,
+        prompt_tokens: usize,
+        hashes: &[u64],
+        best_held: usize,
+    ) -> Option<kvroute_discovery::PeerUrl> {
+        let scope = self.config.load_share.cold_owner;
+        if scope == cold_owner::ColdOwnerScope::Off
+            || !cold_owner::is_cold(best_held, hashes.len())
+            || prompt_tokens > cold_owner::COLD_PLACE_TOKENS_MAX
+        {
+            return None;
+        }
+        let me = self.self_peer.get()?;
+        let key = cold_owner::owner_key(scope, hashes)?;
+        let siblings = self.peers.snapshot().peers;
+        if siblings.is_empty() {
+            return None;
+        }
+        let owner = cold_owner::owner_of(key, me, &siblings);
+        (owner != me).then(|| owner.clone())
     }
 
     /// Like [`Router::plan`] but without side effects on routing state (no pending entries):
@@ -117,14 +252,14 @@ impl Router {
         group: Arc<ModelGroup>,
         tokens: &[u32],
     ) -> Result<RoutePlan, ApiError> {
-        self.plan_inner(group, tokens, false)
+        self.plan_inner(group, tokens, PlanMode::Preview)
     }
 
     fn plan_inner(
         &self,
         group: Arc<ModelGroup>,
         tokens: &[u32],
-        record_pending: bool,
+        mode: PlanMode,
     ) -> Result<RoutePlan, ApiError> {
         let started = Instant::now();
         let now = started;
@@ -153,12 +288,17 @@ impl Router {
                             // the engine has queued from the whole fleet of routers, as far as
                             // we know.
                             in_flight: load.in_flight.load(Ordering::Relaxed).max(0)
-                                + load.sibling_in_flight.load(Ordering::Relaxed),
+                                + load.sibling_in_flight.load(Ordering::Relaxed)
+                                + load.placed_in_flight.load(Ordering::Relaxed).max(0),
                             queued_prefill_tokens: load
                                 .queued_prefill_tokens
                                 .load(Ordering::Relaxed)
                                 .max(0)
-                                + load.sibling_queued_prefill_tokens.load(Ordering::Relaxed),
+                                + load.sibling_queued_prefill_tokens.load(Ordering::Relaxed)
+                                + load
+                                    .placed_queued_prefill_tokens
+                                    .load(Ordering::Relaxed)
+                                    .max(0),
                             prefill_backlog_us: load.fleet_prefill_backlog_us(now_us) as f64,
                             engine: crate::control::engine_metrics::engine_load_given(
                                 self, w, r as u32, now_us, pushed,
@@ -178,6 +318,7 @@ impl Router {
             && !tokens.is_empty();
         let mut block_size = group.block_size;
         let mut indexed = false;
+        let mut cold_deferral = None;
         let decision = PLAN_SCRATCH.with(|scratch| {
             let (hashes, walks) = &mut *scratch.borrow_mut();
             hashes.clear();
@@ -203,6 +344,19 @@ impl Router {
                 indexed = true;
             }
             let use_pending = needs_match && self.pending.enabled();
+            // The deepest prefix an engine has CONFIRMED (its KV events), before pending blocks
+            // extend it: what decides whether the prompt is new to the fleet. Read only where
+            // a cold prompt may go to its owner (a pass over every rank).
+            let best_held = (use_pending
+                && mode == PlanMode::Route
+                && self.config.load_share.cold_owner != cold_owner::ColdOwnerScope::Off)
+                .then(|| {
+                    candidates
+                        .iter()
+                        .map(|c| c.input.matched_blocks as usize)
+                        .max()
+                        .unwrap_or(0)
+                });
             if use_pending && !indexed {
                 // No index for this model (no KV events): pending entries alone still keep a
                 // cold burst together, hashed at the group's block size.
@@ -226,30 +380,23 @@ impl Router {
             }
             let inputs: Vec<RankInput> = candidates.iter().map(|c| c.input).collect();
             let decision = self.policy.decide(&inputs, tokens.len(), block_size);
-            if use_pending && record_pending {
-                let chosen = &candidates[decision.order[0]];
-                // Only blocks neither indexed nor already pending there: an existing entry is
-                // not refreshed, because the request that made it is the one that will produce
-                // those blocks, so its TTL is the right horizon (and a stream of requests for
-                // a prefix that is never confirmed cannot keep it alive forever).
-                self.pending.record(
-                    &group.name,
-                    hashes,
-                    chosen.input.matched_blocks as usize,
-                    rank_key(&group, chosen),
-                    now,
-                    chosen.input.pending_blocks > 0,
-                );
-                // The same hint for the siblings (load sharing), so a cold prefix's next
-                // request follows this one whichever replica it reaches.
-                self.load_share.publish_pending(
-                    &group.name,
-                    &group.workers[chosen.worker_position].url,
-                    chosen.dp_rank,
-                    hashes
-                        .get(chosen.input.matched_blocks as usize..)
-                        .unwrap_or(&[]),
-                );
+            if use_pending && mode != PlanMode::Preview {
+                let owner =
+                    best_held.and_then(|held| self.cold_owner_of(tokens.len(), hashes, held));
+                match owner {
+                    Some(owner) => {
+                        cold_deferral = Some(ColdDeferral {
+                            owner,
+                            hashes: hashes.clone(),
+                        })
+                    }
+                    None => self.record_pending_choice(
+                        &group,
+                        hashes,
+                        &candidates[decision.order[0]],
+                        now,
+                    ),
+                }
             }
             decision
         });
@@ -264,6 +411,8 @@ impl Router {
             decision,
             prompt_tokens: tokens.len(),
             indexed,
+            cold_deferral,
+            prefill_booked_by_owner: None,
         })
     }
 

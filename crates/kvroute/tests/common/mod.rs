@@ -241,3 +241,19 @@ pub fn free_port() -> u16 {
         .map(|a| a.port())
         .expect("a free port")
 }
+
+/// `(worker url, dp rank) -> field` over every rank of a `/workers` answer.
+pub fn rank_field(workers: &Value, field: &str) -> Vec<(String, u64, i64)> {
+    let mut out = Vec::new();
+    for w in workers["workers"].as_array().into_iter().flatten() {
+        for r in w["ranks"].as_array().into_iter().flatten() {
+            out.push((
+                w["url"].as_str().unwrap_or_default().to_string(),
+                r["dp_rank"].as_u64().unwrap_or(0),
+                r[field].as_i64().unwrap_or(-1),
+            ));
+        }
+    }
+    out.sort();
+    out
+}

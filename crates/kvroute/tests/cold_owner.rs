@@ -1,0 +1,297 @@
+//! Cold prompts placed by the replica that owns their prefix, end to end: real routers
+//! in-process, each with its own internal listener, asking each other over real HTTP, in front
+//! of simulated engines (real HTTP, real ZMQ).
+
+mod common;
+
+use common::*;
+use kvroute::RouterConfig;
+use kvroute::config::ColdOwnerScope;
+use kvroute::peer::cold_owner::{
+    COLD_PLACE_BODY_MAX_BYTES, COLD_PLACE_MODEL_HEADER, COLD_PLACE_PATH,
+};
+use kvroute::peer::load_share::LoadShareConfig;
+use kvroute_discovery::PeerUrl;
+use serde_json::json;
+
+const TOKEN: &[u8] = b"cold-owner-test-token-0123456789abcdef";
+/// Cold prompts sent to every replica at once; each must land on one rank.
+const COLD_GROUPS: usize = 5;
+
+fn config(urls: &[String], cold_owner: ColdOwnerScope) -> RouterConfig {
+    RouterConfig {
+        internal_auth_token: Some(TOKEN.into()),
+        // Long enough that a pending prefix outlives the whole test.
+        pending_prefix_ttl_ms: 30_000,
+        load_share: LoadShareConfig {
+            cold_owner,
+            // A loaded CI machine may take a while to answer; the property under test is
+            // agreement, not speed.
+            cold_owner_timeout_ms: 1_000,
+            ..LoadShareConfig::default()
+        },
+        ..router_config(urls)
+    }
+}
+
+/// A long prompt nobody has cached (its prefill dominates any queue, so a replica that knows
+/// it is pending on a rank follows it there).
+fn cold_prompt(tag: &str) -> String {
+    let words: Vec<String> = (0..600).map(|i| format!("w{}{tag}", i % 53)).collect();
+    format!("a cold prompt {tag}: {}", words.join(" "))
+}
+
+/// Sends one chat through `base`; returns the status and the rank the router chose
+/// (`url#dp_rank` from the decision header).
+async fn chat(base: String, content: String) -> (u16, String) {
+    let (status, body, headers) = post_json(
+        &format!("{base}/v1/chat/completions"),
+        &json!({"model": "m", "max_tokens": 2,
+            "messages": [{"role": "user", "content": content}]}),
+    )
+    .await;
+    let d = decision(&headers);
+    let field = |name: &str| {
+        d.split(';')
+            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+            .unwrap_or("?")
+            .to_string()
+    };
+    assert_eq!(status, 200, "{body}");
+    (status, format!("{}#{}", field("url"), field("dp_rank")))
+}
+
+async fn start_replicas(
+    urls: &[String],
+    n: usize,
+    cold_owner: ColdOwnerScope,
+) -> Vec<kvroute::RouterHandle> {
+    let mut replicas = Vec::new();
+    for _ in 0..n {
+        replicas.push(
+            kvroute::serve(config(urls, cold_owner))
+                .await
+                .expect("replica"),
+        );
+    }
+    for (i, r) in replicas.iter().enumerate() {
+        let siblings: Vec<PeerUrl> = replicas
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, s)| PeerUrl::parse(&s.internal_url()).expect("internal URL"))
+            .collect();
+        r.router.peers.replace(siblings);
+        wait_subscribed(&r.url(), 4).await;
+    }
+    replicas
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_receiving_one_cold_prompt_at_once_start_it_on_one_rank() {
+    let fleet = fleet(2, 2, "m").await;
+    let urls = urls(&fleet);
+    for scope in [ColdOwnerScope::Fleet, ColdOwnerScope::Prefix] {
+        let replicas = start_replicas(&urls, 3, scope).await;
+        for group in 0..COLD_GROUPS {
+            let prompt = cold_prompt(&format!("{scope:?}{group}"));
+            let sent: Vec<_> = replicas
+                .iter()
+                .map(|r| tokio::spawn(chat(r.url(), prompt.clone())))
+                .collect();
+            let mut ranks = Vec::new();
+            for s in sent {
+                ranks.push(s.await.expect("chat task").1);
+            }
+            assert!(
+                ranks.windows(2).all(|w| w[0] == w[1]),
+                "{scope:?} group {group}: one cold prompt sent to 3 replicas at once went to \
+                 {ranks:?}"
+            );
+        }
+        // Every placement a replica took from an owner was served by one, and none failed.
+        let mut asked = 0.0;
+        let mut served = 0.0;
+        for r in &replicas {
+            let m = metrics_text(&r.url()).await;
+            let count = |outcome: &str| {
+                metric_value(
+                    &m,
+                    &format!(r#"kvroute_cold_placements_total{{outcome="{outcome}"}}"#),
+                )
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+            };
+            asked += count("owner_chose");
+            served += count("served");
+            assert_eq!(
+                count("owner_failed"),
+                0.0,
+                "{scope:?}: a reachable owner failed"
+            );
+        }
+        assert!(asked > 0.0, "{scope:?}: no replica asked an owner");
+        assert_eq!(
+            asked, served,
+            "{scope:?}: placements taken and served differ"
+        );
+        for r in replicas {
+            r.shutdown().await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_owner_books_a_cold_prompts_prefill_and_the_asker_only_the_request() {
+    let fleet = fleet(2, 2, "m").await;
+    let urls = urls(&fleet);
+    let cfg = |urls: &[String]| {
+        let mut c = config(urls, ColdOwnerScope::Fleet);
+        // No frames between the two: each one's counters are its own bookings only.
+        c.load_share.enabled = false;
+        // A prefill that takes a minute on the virtual clock: the backlog cannot drain while
+        // the test looks at it.
+        c.weights.prefill_cost_us_per_token = 50_000.0;
+        c
+    };
+    let a = kvroute::serve(cfg(&urls)).await.expect("a");
+    let b = kvroute::serve(cfg(&urls)).await.expect("b");
+    let (a_url, b_url) = (
+        PeerUrl::parse(&a.internal_url()).unwrap(),
+        PeerUrl::parse(&b.internal_url()).unwrap(),
+    );
+    a.router.peers.replace([b_url.clone()]);
+    b.router.peers.replace([a_url.clone()]);
+    wait_subscribed(&a.url(), 4).await;
+    wait_subscribed(&b.url(), 4).await;
+    let owner_is_a = kvroute::peer::cold_owner::owner_of(
+        kvroute::peer::cold_owner::FLEET_OWNER_KEY,
+        &a_url,
+        std::slice::from_ref(&b_url),
+    ) == &a_url;
+    let (owner, asker) = if owner_is_a { (&a, &b) } else { (&b, &a) };
+    let (_, rank) = chat(asker.url(), cold_prompt("booked")).await;
+    let owner_workers = workers(&owner.url()).await;
+    let asker_workers = workers(&asker.url()).await;
+    let owner_backlog = rank_field(&owner_workers, "prefill_backlog_us");
+    let asker_backlog = rank_field(&asker_workers, "prefill_backlog_us");
+    let asker_sent = rank_field(&asker_workers, "dispatched_total");
+    let owner_sent = rank_field(&owner_workers, "dispatched_total");
+    let at = |rows: &[(String, u64, i64)]| {
+        rows.iter()
+            .find(|(u, d, _)| format!("{u}#{d}") == rank)
+            .map(|r| r.2)
+            .unwrap_or(-1)
+    };
+    assert!(
+        at(&owner_backlog) > 1_000_000,
+        "the owner queued the prefill on {rank}: {owner_backlog:?}"
+    );
+    assert!(
+        asker_backlog.iter().all(|r| r.2 == 0),
+        "the asker queued no prefill work of its own: {asker_backlog:?}"
+    );
+    assert_eq!(
+        at(&asker_sent),
+        1,
+        "the asker dispatched the request: {asker_sent:?}"
+    );
+    assert!(
+        owner_sent.iter().all(|r| r.2 == 0),
+        "the owner dispatched nothing: {owner_sent:?}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_owner_leaves_the_prompt_to_the_replica_it_reached() {
+    let fleet = fleet(2, 2, "m").await;
+    let urls = urls(&fleet);
+    let a = kvroute::serve(config(&urls, ColdOwnerScope::Prefix))
+        .await
+        .expect("a");
+    // Siblings that are not there (closed ports): they own most prefixes, none answers.
+    let dead: Vec<PeerUrl> = (0..8)
+        .map(|_| PeerUrl::parse(&format!("http://127.0.0.1:{}", free_port())).unwrap())
+        .collect();
+    a.router.peers.replace(dead);
+    wait_subscribed(&a.url(), 4).await;
+    for i in 0..6 {
+        let (status, _) = chat(a.url(), cold_prompt(&format!("dead{i}"))).await;
+        assert_eq!(status, 200);
+    }
+    let m = metrics_text(&a.url()).await;
+    let failed = metric_value(
+        &m,
+        r#"kvroute_cold_placements_total{outcome="owner_failed"}"#,
+    )
+    .and_then(|v| v.parse::<f64>().ok())
+    .unwrap_or(0.0);
+    assert!(
+        failed >= 1.0,
+        "6 cold prompts over 8 dead owners and 1 live replica: expected at least one placed \
+         here after its owner failed, metrics say {failed}"
+    );
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_placement_endpoint_refuses_what_is_not_a_placement_request() {
+    let fleet = fleet(1, 2, "m").await;
+    let urls = urls(&fleet);
+    let a = kvroute::serve(config(&urls, ColdOwnerScope::Prefix))
+        .await
+        .expect("a");
+    wait_subscribed(&a.url(), 2).await;
+    let place = format!("{}{COLD_PLACE_PATH}", a.internal_url());
+    let post = |body: Vec<u8>, model: &str, token: Option<&[u8]>| {
+        let mut req = client()
+            .post(&place)
+            .header(COLD_PLACE_MODEL_HEADER, model)
+            .body(body);
+        if let Some(t) = token {
+            req = req.bearer_auth(String::from_utf8_lossy(t));
+        }
+        async move { req.send().await.expect("sent").status().as_u16() }
+    };
+    let ids: Vec<u8> = (0u32..64).flat_map(|t| (t + 100).to_le_bytes()).collect();
+    assert_eq!(post(ids.clone(), "m", None).await, 401, "no token");
+    assert_eq!(
+        post(ids.clone(), "m", Some(b"wrong-token-0123456789abcdef")).await,
+        401
+    );
+    assert_eq!(
+        post(vec![1, 2, 3], "m", Some(TOKEN)).await,
+        400,
+        "not u32 ids"
+    );
+    assert_eq!(post(Vec::new(), "m", Some(TOKEN)).await, 400, "no ids");
+    assert_eq!(post(ids.clone(), "no-such-model", Some(TOKEN)).await, 404);
+    assert_eq!(
+        post(vec![0; COLD_PLACE_BODY_MAX_BYTES + 4], "m", Some(TOKEN)).await,
+        413,
+        "over the body cap"
+    );
+    // And a well-formed one names a rank of the fleet.
+    let resp = client()
+        .post(&place)
+        .header(COLD_PLACE_MODEL_HEADER, "m")
+        .bearer_auth(String::from_utf8_lossy(TOKEN))
+        .body(ids)
+        .send()
+        .await
+        .expect("sent");
+    assert_eq!(resp.status().as_u16(), 200);
+    let placed: serde_json::Value = resp.json().await.expect("json");
+    assert_eq!(
+        placed["worker_url"].as_str(),
+        Some(urls[0].as_str()),
+        "{placed}"
+    );
+    assert!(
+        placed["dp_rank"].as_u64().is_some_and(|r| r < 2),
+        "{placed}"
+    );
+    a.shutdown().await;
+}
