@@ -112,6 +112,9 @@ pub struct SweepRun {
     /// Cold prompts the replicas placed through their owner, summed over the replicas, by
     /// outcome ([`COLD_OUTCOMES`]).
     pub cold_placements: [u64; COLD_OUTCOMES.len()],
+    /// Seconds the replicas waited for owners' answers, summed (with `cold_placements`' total,
+    /// the mean wait).
+    pub cold_wait_s: f64,
 }
 
 /// The outcomes of `kvroute_cold_placements_total` the sweep reports, in its column order.
@@ -168,6 +171,16 @@ impl SweepRow {
                 .filter_map(|r| r.run.balance.as_ref().map(|b| b.busiest_rank_share()))
                 .collect(),
         )
+    }
+    /// Mean wait for an owner's answer over every asked placement of every round.
+    fn cold_wait_mean_ms(&self) -> f64 {
+        let asked: u64 = self
+            .rounds
+            .iter()
+            .map(|r| r.cold_placements.iter().sum::<u64>())
+            .sum();
+        let waited: f64 = self.rounds.iter().map(|r| r.cold_wait_s).sum();
+        waited * 1000.0 / asked.max(1) as f64
     }
     /// Mean cold placements per round, by outcome ([`COLD_OUTCOMES`]).
     fn cold_placed(&self) -> [f64; COLD_OUTCOMES.len()] {
@@ -280,6 +293,10 @@ async fn run_once(
             })
             .sum::<u64>()
     });
+    let cold_wait_s = handles
+        .iter()
+        .map(|h| h.router.metrics.cold_placement_wait.get_sample_sum())
+        .sum::<f64>();
     for h in handles {
         h.shutdown().await;
     }
@@ -301,6 +318,7 @@ async fn run_once(
         first_turns_ttft_p90_ms,
         later_turns_ttft_p90_ms,
         cold_placements,
+        cold_wait_s,
     })
 }
 
@@ -496,11 +514,12 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
         {
             let per_round = row.cold_placed();
             println!(
-                "{}: cold prompts per round placed by their owner {:.1}, owner failed {:.1}, owner's rank unknown {:.1}",
+                "{}: cold prompts per round placed by their owner {:.1}, owner failed {:.1}, owner's rank unknown {:.1}; mean wait for the owner {:.2} ms",
                 row.label(),
                 per_round[0],
                 per_round[1],
-                per_round[2]
+                per_round[2],
+                row.cold_wait_mean_ms()
             );
         }
         println!("total wall time {:.1} s", started.elapsed().as_secs_f64());

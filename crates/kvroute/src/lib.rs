@@ -177,9 +177,9 @@ pub async fn serve_with_workers(
             && peer_config.is_some() =>
         {
             tracing::warn!(
-            %internal_addr,
-            "cold-prompt ownership is off: this replica cannot tell how its siblings name it \
-             (a wildcard --internal-bind and no --advertise-url or POD_IP); set one of them"
+                %internal_addr,
+                "cold-prompt ownership is off: this replica cannot tell how its siblings name \
+                 it (a wildcard --internal-bind and no --advertise-url or POD_IP); set one of them"
             )
         }
         None => {}

@@ -46,6 +46,8 @@ pub struct Metrics {
     /// owner named a rank this replica cannot route to), `owner_failed` (no usable answer in
     /// time: placed here), `served` (this replica placed a sibling's cold prompt).
     pub cold_placements: IntCounterVec,
+    /// How long a replica waited for a cold prompt's owner to answer (timeouts included).
+    pub cold_placement_wait: prometheus::Histogram,
 }
 
 impl Metrics {
@@ -195,6 +197,17 @@ impl Metrics {
             &["outcome"],
         )?;
         registry.register(Box::new(cold_placements.clone()))?;
+        let cold_placement_wait = prometheus::Histogram::with_opts(
+            HistogramOpts::new(
+                "kvroute_cold_placement_wait_seconds",
+                "Time a replica waited for the owner's placement of a cold prompt",
+            )
+            .buckets(vec![
+                0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                1.0,
+            ]),
+        )?;
+        registry.register(Box::new(cold_placement_wait.clone()))?;
         registry.register(Box::new(engine_metrics_scrapes.clone()))?;
         registry.register(Box::new(load_share_frames.clone()))?;
         registry.register(Box::new(load_share_siblings.clone()))?;
@@ -225,6 +238,7 @@ impl Metrics {
             load_share_siblings,
             engine_metrics_scrapes,
             cold_placements,
+            cold_placement_wait,
         })
     }
 

@@ -83,9 +83,14 @@ pub async fn route_request(
     let mut plan = router.plan(group, &tokens)?;
     if let Some(deferral) = &plan.cold_deferral {
         // A cold prompt another replica owns: its placement, or ours past the timeout.
+        let asked = std::time::Instant::now();
         let placement =
             crate::peer::cold_owner::ask_owner(router, &deferral.owner, &plan.model.name, &tokens)
                 .await;
+        router
+            .metrics
+            .cold_placement_wait
+            .observe(asked.elapsed().as_secs_f64());
         if let Err(e) = &placement {
             tracing::debug!(owner = %deferral.owner, error = %e, "cold placement not used");
         }

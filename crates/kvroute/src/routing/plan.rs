@@ -346,17 +346,20 @@ impl Router {
             let use_pending = needs_match && self.pending.enabled();
             // The deepest prefix an engine has CONFIRMED (its KV events), before pending blocks
             // extend it: what decides whether the prompt is new to the fleet. Read only where
-            // a cold prompt may go to its owner (a pass over every rank).
+            // a cold prompt may go to its owner (a pass over every rank): ownership on, this
+            // replica's name known, and siblings to own anything.
             let best_held = (use_pending
                 && mode == PlanMode::Route
-                && self.config.load_share.cold_owner != cold_owner::ColdOwnerScope::Off)
-                .then(|| {
-                    candidates
-                        .iter()
-                        .map(|c| c.input.matched_blocks as usize)
-                        .max()
-                        .unwrap_or(0)
-                });
+                && self.config.load_share.cold_owner != cold_owner::ColdOwnerScope::Off
+                && self.self_peer.get().is_some()
+                && !self.peers.is_empty())
+            .then(|| {
+                candidates
+                    .iter()
+                    .map(|c| c.input.matched_blocks as usize)
+                    .max()
+                    .unwrap_or(0)
+            });
             if use_pending && !indexed {
                 // No index for this model (no KV events): pending entries alone still keep a
                 // cold burst together, hashed at the group's block size.
