@@ -128,9 +128,11 @@ impl Router {
         self.plan_inner(group, tokens, PlanMode::Route)
     }
 
-    /// Plans a sibling's cold prompt as the owner of its prefix (`crate::peer::cold_owner`):
-    /// records the pending prefix on the chosen rank like the routing path, books no load (the
-    /// sibling that routes the request does), and never defers to another owner.
+    /// Plans a sibling's cold prompt as its owner (`crate::peer::cold_owner`): records the
+    /// pending prefix on the chosen rank like the routing path, queues the prompt's prefill on
+    /// that rank's clock as this replica's own work (its frames share it), counts the request
+    /// in this replica's cost model for a few frame intervals (the sibling books and shares the
+    /// request itself), and never defers to another owner.
     pub fn plan_as_owner(
         &self,
         group: Arc<ModelGroup>,
@@ -228,15 +230,14 @@ impl Router {
         hashes: &[u64],
         best_held: usize,
     ) -> Option<kvroute_discovery::PeerUrl> {
-        let scope = self.config.load_share.cold_owner;
-        if scope == cold_owner::ColdOwnerScope::Off
-            || !cold_owner::is_cold(best_held, hashes.len())
+        if !cold_owner::is_cold(best_held, hashes.len())
             || prompt_tokens > cold_owner::COLD_PLACE_TOKENS_MAX
         {
             return None;
         }
         let me = self.self_peer.get()?;
-        let key = cold_owner::owner_key(scope, hashes)?;
+        // `None` under `--cold-owner off`.
+        let key = cold_owner::owner_key(self.config.load_share.cold_owner, hashes)?;
         let siblings = self.peers.snapshot().peers;
         if siblings.is_empty() {
             return None;
