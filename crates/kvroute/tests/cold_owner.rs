@@ -34,6 +34,16 @@ fn config(urls: &[String], cold_owner: ColdOwnerScope) -> RouterConfig {
     }
 }
 
+/// [`config`] with a cost model that always prefers waiting behind a prefix's first prefill to
+/// computing it again elsewhere (a large displacement charge on uncached tokens): the copies
+/// of one prompt then belong on one rank, and only a disagreement between replicas about where
+/// it went can split them.
+fn following_config(urls: &[String], cold_owner: ColdOwnerScope) -> RouterConfig {
+    let mut c = config(urls, cold_owner);
+    c.weights.eviction_cost_fraction = 10.0;
+    c
+}
+
 /// A long prompt nobody has cached (its prefill dominates any queue, so a replica that knows
 /// it is pending on a rank follows it there).
 fn cold_prompt(tag: &str) -> String {
@@ -69,7 +79,7 @@ async fn start_replicas(
     let mut replicas = Vec::new();
     for _ in 0..n {
         replicas.push(
-            kvroute::serve(config(urls, cold_owner))
+            kvroute::serve(following_config(urls, cold_owner))
                 .await
                 .expect("replica"),
         );

@@ -59,6 +59,9 @@ pub struct Router {
     /// unset (cold-prompt ownership off) when it cannot be known
     /// (`crate::peer::cold_owner::self_peer_url`).
     pub self_peer: std::sync::OnceLock<kvroute_discovery::PeerUrl>,
+    /// Held while this replica places a cold prompt it owns (`crate::routing::plan`), so two
+    /// such placements see each other's pending prefix.
+    pub cold_placement_lock: parking_lot::Mutex<()>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -117,6 +120,7 @@ impl Router {
             predictions: crate::routing::prediction::PredictionChecks::new(config.prediction_check),
             load_share: Default::default(),
             self_peer: std::sync::OnceLock::new(),
+            cold_placement_lock: parking_lot::Mutex::new(()),
             prepare_budget: Arc::new(tokio::sync::Semaphore::new(
                 crate::config::PREPARE_BUDGETS_IN_FLIGHT
                     .saturating_mul(config.tokenize_text_bytes_max)

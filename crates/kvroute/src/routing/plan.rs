@@ -366,6 +366,16 @@ impl Router {
                 // cold burst together, hashed at the group's block size.
                 crate::routing::kv::hash_blocks(tokens, block_size, hashes);
             }
+            let owner = best_held.and_then(|held| self.cold_owner_of(tokens.len(), hashes, held));
+            // A cold prompt this replica places (as a sibling's owner, or its own prompt that
+            // it owns) is placed under one lock, from reading the pending table to recording in
+            // it: two such placements at the same instant would otherwise both see the prefix
+            // nowhere and start it on two ranks, which is what ownership exists to prevent.
+            let placing_cold = use_pending
+                && owner.is_none()
+                && (mode == PlanMode::Owner
+                    || best_held.is_some_and(|held| cold_owner::is_cold(held, hashes.len())));
+            let _cold_placement = placing_cold.then(|| self.cold_placement_lock.lock());
             if use_pending && let Some(table) = self.pending.model(&group.name) {
                 walks.clear();
                 walks.extend(candidates.iter().map(|c| {
@@ -385,8 +395,6 @@ impl Router {
             let inputs: Vec<RankInput> = candidates.iter().map(|c| c.input).collect();
             let decision = self.policy.decide(&inputs, tokens.len(), block_size);
             if use_pending && mode != PlanMode::Preview {
-                let owner =
-                    best_held.and_then(|held| self.cold_owner_of(tokens.len(), hashes, held));
                 match owner {
                     Some(owner) => {
                         cold_deferral = Some(ColdDeferral {
