@@ -442,7 +442,7 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Routed, A
         let prefill_work_us = if plan.prefill_booked_by_owner == Some(idx) {
             0
         } else {
-            (uncached.max(0) as f64 * router.policy.weights.prefill_cost_us_per_token) as u64
+            router.policy.prefill_work_us(uncached)
         };
         let guard = LoadGuard::acquire(rank.clone(), gauge, uncached, prefill_work_us);
         let dp_rank_text = cand.dp_rank.to_string();

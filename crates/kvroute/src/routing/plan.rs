@@ -51,8 +51,18 @@ pub struct RoutePlan {
     /// and the caller asks the owner, then calls [`Router::settle_cold`].
     pub cold_deferral: Option<ColdDeferral>,
     /// The candidate whose prefill work the cold prompt's owner already queued on its own
-    /// clock (and shares): dispatching there books the request, not the work again.
+    /// clock (and shares): dispatching there books the request, not the work again. `None`
+    /// also when the owner queued no work (it found the prompt cached): the dispatch then
+    /// books this replica's own estimate, as for any request.
     pub prefill_booked_by_owner: Option<usize>,
+}
+
+/// Who places a cold prompt, when ownership is in force.
+enum ColdRole {
+    /// This replica owns it: it places it here, under the cold-placement lock.
+    Mine,
+    /// A sibling owns it: the plan is deferred to it.
+    Theirs(kvroute_discovery::PeerUrl),
 }
 
 /// What a plan may change besides choosing.
@@ -141,12 +151,11 @@ impl Router {
         let plan = self.plan_inner(group, tokens, PlanMode::Owner)?;
         let chosen = plan.chosen();
         let worker = plan.worker(chosen);
-        let uncached = plan.decision.scores[plan.decision.order[0]].uncached_tokens;
-        let prefill_booked_us =
-            (uncached.max(0.0) * self.policy.weights.prefill_cost_us_per_token) as u64;
+        let uncached = plan.decision.scores[plan.decision.order[0]].uncached_tokens as i64;
+        let prefill_booked_us = self.policy.prefill_work_us(uncached);
         if let Some(rank) = worker.ranks.get(chosen.dp_rank as usize) {
             rank.reserve_prefill(crate::control::registry::clock_us(), prefill_booked_us);
-            cold_owner::book_placed(self, rank.clone(), uncached.max(0.0) as i64);
+            cold_owner::book_placed(self, rank.clone(), uncached.max(0));
         }
         Ok(ColdPlacement {
             worker_url: worker.url.clone(),
@@ -174,7 +183,7 @@ impl Router {
                         let i = plan.decision.order.remove(at);
                         plan.decision.order.insert(0, i);
                         plan.decision.reason = "cold_owner";
-                        plan.prefill_booked_by_owner = Some(i);
+                        plan.prefill_booked_by_owner = (p.prefill_booked_us > 0).then_some(i);
                         "owner_chose"
                     }
                     None => "owner_rank_unknown",
@@ -222,28 +231,34 @@ impl Router {
         );
     }
 
-    /// The sibling that owns a cold prompt's prefix, when it is not this replica and ownership
-    /// is on (`crate::peer::cold_owner`); `None` means "place it here".
-    fn cold_owner_of(
+    /// Who places a prompt (`crate::peer::cold_owner`): `None` when it is not cold or ownership
+    /// is not in force (off, this replica's name unknown, no siblings), else this replica or
+    /// the sibling that owns it. Only a cold prompt reads the sibling set.
+    fn cold_role(
         &self,
         prompt_tokens: usize,
         hashes: &[u64],
         best_held: usize,
-    ) -> Option<kvroute_discovery::PeerUrl> {
-        if !cold_owner::is_cold(best_held, hashes.len())
+    ) -> Option<ColdRole> {
+        let scope = self.config.load_share.cold_owner;
+        if scope == cold_owner::ColdOwnerScope::Off
+            || !cold_owner::is_cold(best_held, hashes.len())
             || prompt_tokens > cold_owner::COLD_PLACE_TOKENS_MAX
         {
             return None;
         }
         let me = self.self_peer.get()?;
-        // `None` under `--cold-owner off`.
-        let key = cold_owner::owner_key(self.config.load_share.cold_owner, hashes)?;
+        let key = cold_owner::owner_key(scope, hashes)?;
         let siblings = self.peers.snapshot().peers;
         if siblings.is_empty() {
             return None;
         }
         let owner = cold_owner::owner_of(key, me, &siblings);
-        (owner != me).then(|| owner.clone())
+        Some(if owner == me {
+            ColdRole::Mine
+        } else {
+            ColdRole::Theirs(owner.clone())
+        })
     }
 
     /// Like [`Router::plan`] but without side effects on routing state (no pending entries):
@@ -320,6 +335,9 @@ impl Router {
         let mut block_size = group.block_size;
         let mut indexed = false;
         let mut cold_deferral = None;
+        // The deepest prefix an engine has CONFIRMED (its KV events), before pending blocks
+        // extend it: what decides whether the prompt is new to the fleet (`peer::cold_owner`).
+        let mut best_held = 0usize;
         let decision = PLAN_SCRATCH.with(|scratch| {
             let (hashes, walks) = &mut *scratch.borrow_mut();
             hashes.clear();
@@ -338,6 +356,7 @@ impl Router {
                                 let c = &mut candidates[first + dp as usize];
                                 c.input.matched_blocks = hit.matched_blocks;
                                 c.input.device_blocks = hit.device_blocks;
+                                best_held = best_held.max(hit.matched_blocks as usize);
                             }
                         })
             {
@@ -345,36 +364,20 @@ impl Router {
                 indexed = true;
             }
             let use_pending = needs_match && self.pending.enabled();
-            // The deepest prefix an engine has CONFIRMED (its KV events), before pending blocks
-            // extend it: what decides whether the prompt is new to the fleet. Read only where
-            // a cold prompt may go to its owner (a pass over every rank): ownership on, this
-            // replica's name known, and siblings to own anything.
-            let best_held = (use_pending
-                && mode == PlanMode::Route
-                && self.config.load_share.cold_owner != cold_owner::ColdOwnerScope::Off
-                && self.self_peer.get().is_some()
-                && !self.peers.is_empty())
-            .then(|| {
-                candidates
-                    .iter()
-                    .map(|c| c.input.matched_blocks as usize)
-                    .max()
-                    .unwrap_or(0)
-            });
             if use_pending && !indexed {
                 // No index for this model (no KV events): pending entries alone still keep a
                 // cold burst together, hashed at the group's block size.
                 crate::routing::kv::hash_blocks(tokens, block_size, hashes);
             }
-            let owner = best_held.and_then(|held| self.cold_owner_of(tokens.len(), hashes, held));
+            let role = (use_pending && mode == PlanMode::Route)
+                .then(|| self.cold_role(tokens.len(), hashes, best_held))
+                .flatten();
             // A cold prompt this replica places (as a sibling's owner, or its own prompt that
             // it owns) is placed under one lock, from reading the pending table to recording in
             // it: two such placements at the same instant would otherwise both see the prefix
             // nowhere and start it on two ranks, which is what ownership exists to prevent.
-            let placing_cold = use_pending
-                && owner.is_none()
-                && (mode == PlanMode::Owner
-                    || best_held.is_some_and(|held| cold_owner::is_cold(held, hashes.len())));
+            let placing_cold =
+                use_pending && (mode == PlanMode::Owner || matches!(role, Some(ColdRole::Mine)));
             let _cold_placement = placing_cold.then(|| self.cold_placement_lock.lock());
             if use_pending && let Some(table) = self.pending.model(&group.name) {
                 walks.clear();
@@ -395,14 +398,14 @@ impl Router {
             let inputs: Vec<RankInput> = candidates.iter().map(|c| c.input).collect();
             let decision = self.policy.decide(&inputs, tokens.len(), block_size);
             if use_pending && mode != PlanMode::Preview {
-                match owner {
-                    Some(owner) => {
+                match role {
+                    Some(ColdRole::Theirs(owner)) => {
                         cold_deferral = Some(ColdDeferral {
                             owner,
                             hashes: hashes.clone(),
                         })
                     }
-                    None => self.record_pending_choice(
+                    _ => self.record_pending_choice(
                         &group,
                         hashes,
                         &candidates[decision.order[0]],

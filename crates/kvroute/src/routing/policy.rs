@@ -264,6 +264,13 @@ impl Policy {
 
     /// Orders `ranks` (all routable) for a prompt of `prompt_tokens` tokens. `ranks` must not be
     /// empty.
+    /// The prefill time (us) the cost model books on a rank for `uncached_tokens`: what a
+    /// dispatch queues on the rank's virtual clock, and what a cold prompt's owner queues for
+    /// the sibling that routes it.
+    pub fn prefill_work_us(&self, uncached_tokens: i64) -> u64 {
+        (uncached_tokens.max(0) as f64 * self.weights.prefill_cost_us_per_token) as u64
+    }
+
     pub fn decide(&self, ranks: &[RankInput], prompt_tokens: usize, block_size: usize) -> Decision {
         // Every pass over the ranks costs a few microseconds in a 1,024-rank fleet, so the
         // cache-aware path makes as few as it can: scoring sums the load the guard needs, one
