@@ -28,6 +28,9 @@ fn config(urls: &[String], cold_owner: ColdOwnerScope) -> RouterConfig {
             // A loaded CI machine may take a while to answer; the property under test is
             // agreement, not speed.
             cold_owner_timeout_ms: 1_000,
+            // A sibling heard once stays a candidate owner through a stall of this machine
+            // (a silent sibling owns nothing, and the replicas would then disagree).
+            stale_ms: kvroute::peer::load_share::LOAD_SHARE_STALE_MS_MAX,
             ..LoadShareConfig::default()
         },
         ..router_config(urls)
@@ -94,7 +97,43 @@ async fn start_replicas(
         r.router.peers.replace(siblings);
         wait_subscribed(&r.url(), 4).await;
     }
+    wait_siblings_heard(&replicas).await;
     replicas
+}
+
+/// Waits until every replica hears each of its siblings' bookings streams: a sibling that is
+/// not heard owns no cold prompt, so agreement needs every stream up.
+async fn wait_siblings_heard(replicas: &[kvroute::RouterHandle]) {
+    wait_until(
+        "every replica to hear each sibling",
+        WAIT_DEADLINE,
+        || async {
+            let heard: Vec<usize> = replicas
+                .iter()
+                .map(|r| {
+                    let stale_ms = r.router.config.load_share.stale_ms;
+                    let siblings = r.router.load_share.siblings(stale_ms);
+                    siblings.iter().filter(|s| s.fresh).count()
+                })
+                .collect();
+            if heard.iter().all(|&n| n + 1 == replicas.len()) {
+                Ok(())
+            } else {
+                Err(format!("siblings heard per replica: {heard:?}"))
+            }
+        },
+    )
+    .await
+}
+
+/// One outcome of `kvroute_cold_placements_total` from a metrics page (0 when absent).
+fn placements(metrics: &str, outcome: &str) -> f64 {
+    metric_value(
+        metrics,
+        &format!(r#"kvroute_cold_placements_total{{outcome="{outcome}"}}"#),
+    )
+    .and_then(|v| v.parse::<f64>().ok())
+    .unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,14 +163,7 @@ async fn replicas_receiving_one_cold_prompt_at_once_start_it_on_one_rank() {
         let mut served = 0.0;
         for r in &replicas {
             let m = metrics_text(&r.url()).await;
-            let count = |outcome: &str| {
-                metric_value(
-                    &m,
-                    &format!(r#"kvroute_cold_placements_total{{outcome="{outcome}"}}"#),
-                )
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0)
-            };
+            let count = |outcome: &str| placements(&m, outcome);
             asked += count("owner_chose");
             served += count("served");
             assert_eq!(
@@ -215,13 +247,14 @@ async fn the_owner_books_a_cold_prompts_prefill_and_the_asker_only_the_request()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unreachable_owner_leaves_the_prompt_to_the_replica_it_reached() {
+async fn a_sibling_that_is_not_heard_owns_no_cold_prompt() {
     let fleet = fleet(2, 2, "m").await;
     let urls = urls(&fleet);
     let a = kvroute::serve(config(&urls, ColdOwnerScope::Prefix))
         .await
         .expect("a");
-    // Siblings that are not there (closed ports): they own most prefixes, none answers.
+    // Siblings that are not there (closed ports): listed, never heard. With load sharing on
+    // they own nothing, so no prompt waits on them.
     let dead: Vec<PeerUrl> = (0..8)
         .map(|_| PeerUrl::parse(&format!("http://127.0.0.1:{}", free_port())).unwrap())
         .collect();
@@ -232,17 +265,80 @@ async fn an_unreachable_owner_leaves_the_prompt_to_the_replica_it_reached() {
         assert_eq!(status, 200);
     }
     let m = metrics_text(&a.url()).await;
-    let failed = metric_value(
-        &m,
-        r#"kvroute_cold_placements_total{outcome="owner_failed"}"#,
-    )
-    .and_then(|v| v.parse::<f64>().ok())
-    .unwrap_or(0.0);
-    assert!(
-        failed >= 1.0,
-        "6 cold prompts over 8 dead owners and 1 live replica: expected at least one placed \
-         here after its owner failed, metrics say {failed}"
+    let asked = metric_value(&m, "kvroute_cold_placement_wait_seconds_count")
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert_eq!(
+        (asked, placements(&m, "owner_failed")),
+        (0.0, 0.0),
+        "6 cold prompts with 8 silent siblings listed: none should be sent to a sibling \
+         (asks, failed asks)"
     );
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_that_keeps_failing_is_set_aside_and_its_prompts_placed_at_once() {
+    use kvroute::peer::owner_standings::{COLD_OWNER_FAILURES_MAX, COLD_OWNER_SET_ASIDE_MIN_MS};
+    let fleet = fleet(2, 2, "m").await;
+    let urls = urls(&fleet);
+    let mut cfg = config(&urls, ColdOwnerScope::Fleet);
+    // No bookings streams: a listed sibling counts as a candidate owner until its asks fail,
+    // as when load sharing is off or a sibling streams but cannot place.
+    cfg.load_share.enabled = false;
+    let a = kvroute::serve(cfg).await.expect("a");
+    let me = PeerUrl::parse(&a.internal_url()).unwrap();
+    // A closed port that outranks this replica for the fleet's one key (a coin toss per port).
+    let dead = (0..64)
+        .map(|_| PeerUrl::parse(&format!("http://127.0.0.1:{}", free_port())).unwrap())
+        .find(|d| {
+            kvroute::peer::cold_owner::owner_of(
+                kvroute::peer::cold_owner::FLEET_OWNER_KEY,
+                &me,
+                std::slice::from_ref(d),
+            ) == d
+        })
+        .expect("one of 64 closed ports outranks this replica");
+    a.router.peers.replace([dead.clone()]);
+    wait_subscribed(&a.url(), 4).await;
+    for i in 0..COLD_OWNER_FAILURES_MAX {
+        let (status, _) = chat(a.url(), cold_prompt(&format!("failing{i}"))).await;
+        assert_eq!(status, 200);
+    }
+    let m = metrics_text(&a.url()).await;
+    assert_eq!(
+        placements(&m, "owner_failed"),
+        f64::from(COLD_OWNER_FAILURES_MAX),
+        "every cold prompt was sent to the dead owner until it was set aside"
+    );
+    let seen = workers(&a.url()).await;
+    let failing = &seen["load_share"]["cold_owners_failing"];
+    let set_aside_for_ms = failing
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["sibling"] == dead.to_string()))
+        .and_then(|r| r["set_aside_for_ms"].as_u64())
+        .unwrap_or(0);
+    assert!(
+        set_aside_for_ms > 0 && set_aside_for_ms <= COLD_OWNER_SET_ASIDE_MIN_MS,
+        "/workers should show {dead} set aside: {failing}"
+    );
+    // Within the pause the owner is not asked: the next cold prompt is placed here at once.
+    let sent = std::time::Instant::now();
+    let (status, _) = chat(a.url(), cold_prompt("after")).await;
+    assert_eq!(status, 200);
+    let m = metrics_text(&a.url()).await;
+    if sent.elapsed().as_millis() < u128::from(set_aside_for_ms) {
+        assert_eq!(
+            placements(&m, "owner_failed"),
+            f64::from(COLD_OWNER_FAILURES_MAX),
+            "a cold prompt sent within the pause was sent to the owner set aside"
+        );
+    } else {
+        eprintln!(
+            "the prompt after the failures took {:?}, past the pause: its ask not checked",
+            sent.elapsed()
+        );
+    }
     a.shutdown().await;
 }
 

@@ -135,7 +135,9 @@ pub(super) async fn list_workers(State(s): State<AppState>) -> Response {
         })
         .collect();
     let load_share = json!({"enabled": s.router.config.load_share.enabled,
-        "siblings": s.router.load_share.siblings(s.router.config.load_share.stale_ms)});
+        "siblings": s.router.load_share.siblings(s.router.config.load_share.stale_ms),
+        "cold_owners_failing": s.router.cold_owner_standings.lock()
+            .view(crate::control::registry::clock_us())});
     axum::Json(json!({"workers": workers, "prediction_checks": checks, "load_share": load_share}))
         .into_response()
 }

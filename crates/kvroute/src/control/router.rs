@@ -62,6 +62,9 @@ pub struct Router {
     /// Held while this replica places a cold prompt it owns (`crate::routing::plan`), so two
     /// such placements see each other's pending prefix.
     pub cold_placement_lock: parking_lot::Mutex<()>,
+    /// Siblings whose placement asks failed lately (`crate::peer::owner_standings`); written
+    /// by the requests that asked, read when a cold prompt's owner is named.
+    pub cold_owner_standings: parking_lot::Mutex<crate::peer::owner_standings::OwnerStandings>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -121,6 +124,7 @@ impl Router {
             load_share: Default::default(),
             self_peer: std::sync::OnceLock::new(),
             cold_placement_lock: parking_lot::Mutex::new(()),
+            cold_owner_standings: Default::default(),
             prepare_budget: Arc::new(tokio::sync::Semaphore::new(
                 crate::config::PREPARE_BUDGETS_IN_FLIGHT
                     .saturating_mul(config.tokenize_text_bytes_max)

@@ -35,6 +35,10 @@
 //!   ranks the asker would also route to; it cannot fail a request. An owner that answers
 //!   after the asker gave up has recorded a pending prefix nobody sent: it expires with
 //!   `--pending-prefix-ttl-ms` like any unconfirmed one.
+//! * Only a sibling this replica can use owns anything (`Router::cold_owner_candidates`): with
+//!   load sharing on, one whose bookings stream it hears; and one whose asks have not failed
+//!   lately ([`crate::peer::owner_standings`]). A dead or partitioned sibling still listed by
+//!   discovery would otherwise make every cold prompt it owns wait for the timeout.
 //! * Identity: a replica names itself as its siblings name it ([`self_peer_url`]). If that
 //!   cannot be known (a wildcard internal bind and no advertise URL), ownership stays off: a
 //!   replica that misnames itself would disagree with every sibling about who owns what.

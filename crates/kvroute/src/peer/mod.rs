@@ -5,7 +5,9 @@
 //! client a booting replica uses to pull a sibling's snapshot; [`bootstrap`] is the task that
 //! makes a booting replica warm; [`load_share`] streams this replica's per-rank bookings to its
 //! siblings and sums theirs into the cost model ([`load_frame`] is its wire format);
-//! [`cold_owner`] lets the sibling that owns a cold prompt's prefix place it. Sibling DISCOVERY is the `kvroute-discovery` crate; the
+//! [`cold_owner`] lets the sibling that owns a cold prompt's prefix place it, and
+//! [`owner_standings`] sets aside a sibling whose placement asks keep failing. Sibling DISCOVERY
+//! is the `kvroute-discovery` crate; the
 //! decisions of the bootstrap consumer (vetting, the sweep) are the pure `kvroute-bootstrap`
 //! crate, and holding, grafting and splice proofs happen in the KV plane's pump.
 
@@ -17,5 +19,6 @@ pub mod internal;
 pub mod load_frame;
 pub mod load_share;
 pub mod load_share_tasks;
+pub mod owner_standings;
 pub mod producer;
 pub mod protocol;

@@ -16,6 +16,7 @@ use crate::control::registry::{ModelGroup, Worker};
 use crate::control::router::Router;
 use crate::error::ApiError;
 use crate::peer::cold_owner::{self, ColdDeferral, ColdPlacement};
+use crate::peer::owner_standings::AskOutcome;
 use crate::routing::pending::{RankKey, RankWalk};
 use crate::routing::policy::{Decision, EngineLoad, RankInput};
 
@@ -171,6 +172,15 @@ impl Router {
         let Some(deferral) = plan.cold_deferral.take() else {
             return;
         };
+        self.cold_owner_standings.lock().record(
+            &deferral.owner,
+            if placement.is_some() {
+                AskOutcome::Answered
+            } else {
+                AskOutcome::Failed
+            },
+            crate::control::registry::clock_us(),
+        );
         let outcome = match placement {
             None => "owner_failed",
             Some(p) => {
@@ -249,7 +259,7 @@ impl Router {
         }
         let me = self.self_peer.get()?;
         let key = cold_owner::owner_key(scope, hashes)?;
-        let siblings = self.peers.snapshot().peers;
+        let siblings = self.cold_owner_candidates();
         if siblings.is_empty() {
             return None;
         }
@@ -259,6 +269,24 @@ impl Router {
         } else {
             ColdRole::Theirs(owner.clone())
         })
+    }
+
+    /// The siblings that may own a cold prompt: those in the registry that this replica hears
+    /// (a fresh bookings stream, when load sharing is on) and has not set aside for failed asks
+    /// (`crate::peer::owner_standings`). A sibling that is gone or silent owns nothing, so
+    /// no prompt waits on it; every replica that stops hearing it drops it alike, and they
+    /// agree on the next owner.
+    fn cold_owner_candidates(&self) -> Vec<kvroute_discovery::PeerUrl> {
+        let now_us = crate::control::registry::clock_us();
+        let mut siblings = self.peers.snapshot().peers;
+        if self.config.load_share.enabled {
+            let stale_us = self.config.load_share.stale_ms.saturating_mul(1_000);
+            let tables = self.load_share.tables.lock();
+            siblings.retain(|s| tables.get(s).is_some_and(|t| t.is_fresh(now_us, stale_us)));
+        }
+        let standings = self.cold_owner_standings.lock();
+        siblings.retain(|s| standings.askable(s, now_us));
+        siblings
     }
 
     /// Like [`Router::plan`] but without side effects on routing state (no pending entries):
