@@ -24,6 +24,16 @@ use crate::SimError;
 pub const PUB_QUEUE_MAX_MESSAGES: usize = 100_000;
 /// Attempts at finding `dp_size` consecutive free ports when the OS picks them.
 pub const PORT_PROBE_ATTEMPTS_MAX: usize = 64;
+/// Lowest port a run of consecutive ports is probed from (past the well-known and most
+/// registered services' ports).
+pub const PORT_PROBE_LOW: u16 = 10_000;
+/// The probe stays below this port: where Linux's default ephemeral range
+/// (`net.ipv4.ip_local_port_range`) begins. Outgoing connections take their local ports from
+/// that range, and a closed one holds its port in TIME_WAIT for a minute, so after a run with a
+/// thousand connections (a 1,024-rank fleet's subscribers) a run of 64 free ports there is rare,
+/// and `benches/plan_1024.rs`'s fleet (16 engines x 64 ranks) failed to start in several runs
+/// made back to back. Below it only listeners hold ports.
+pub const PORT_PROBE_HIGH: u16 = 32_768;
 /// The seq of the replay end marker.
 pub const END_SEQ: i64 = -1;
 /// Topic of load-stat messages (SGLang's `LOAD_TOPIC`).
@@ -183,11 +193,23 @@ pub async fn bind_consecutive<S: Socket>(
         1
     };
     let mut last_err = String::new();
-    'attempt: for _ in 0..attempts {
+    // One rank needs no run of ports: the OS picks any free one. Several probe a random first
+    // port below the ephemeral range ([`PORT_PROBE_HIGH`]).
+    let probe_first = |attempt: usize| -> u16 {
+        if base != 0 || n <= 1 || attempt + 1 == attempts {
+            // The last attempt lets the OS choose, as a fleet with no room below would.
+            return base;
+        }
+        let span = (PORT_PROBE_HIGH - PORT_PROBE_LOW) as usize;
+        let room = span.saturating_sub(n).max(1);
+        PORT_PROBE_LOW + rand::random_range(0..room) as u16
+    };
+    'attempt: for attempt in 0..attempts {
         let mut sockets = Vec::with_capacity(n);
-        let mut first = base;
+        let start = probe_first(attempt);
+        let mut first = start;
         for r in 0..n {
-            let port = if r == 0 { base } else { first + r as u16 };
+            let port = if r == 0 { start } else { first + r as u16 };
             let mut s = S::new();
             match s.bind(&format!("tcp://{host}:{port}")).await {
                 Ok(zeromq::Endpoint::Tcp(_, bound)) => {
@@ -343,6 +365,28 @@ pub async fn run_load_publisher<F>(
 mod tests {
     use super::*;
     use kvroute_wire::{BlockRemoved, BlockStored, EngineHash, Medium};
+
+    #[tokio::test]
+    async fn a_run_of_ports_the_os_may_pick_is_bound_below_the_ephemeral_range() {
+        let (sockets, first) = bind_consecutive::<PubSocket>("127.0.0.1", 0, 8, "test PUB")
+            .await
+            .expect("eight consecutive ports are found");
+        assert_eq!(sockets.len(), 8);
+        assert!(
+            (PORT_PROBE_LOW..PORT_PROBE_HIGH).contains(&first),
+            "the run starts at {first}, outside {PORT_PROBE_LOW}..{PORT_PROBE_HIGH}"
+        );
+        // Every port of the run is held: a listener on any of them is refused.
+        for r in 0..8u16 {
+            let taken = std::net::TcpListener::bind(("127.0.0.1", first + r));
+            assert!(taken.is_err(), "port {} of the run is not bound", first + r);
+        }
+        // One rank takes whatever port the OS gives.
+        let (single, _) = bind_consecutive::<PubSocket>("127.0.0.1", 0, 1, "test PUB")
+            .await
+            .expect("one port is found");
+        assert_eq!(single.len(), 1);
+    }
 
     fn stored(hash: u64, parent: Option<u64>, medium: Medium) -> KvEvent {
         KvEvent::BlockStored(BlockStored {

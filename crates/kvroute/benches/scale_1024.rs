@@ -26,7 +26,7 @@
 //! Run: `CARGO_PROFILE_BENCH_DEBUG=0 cargo bench -p kvroute --bench scale_1024`. Env:
 //! KVROUTE_SCALE_RANKS (1024), KVROUTE_SCALE_BLOCKS (100000, per rank),
 //! KVROUTE_SCALE_PLAN_LAYOUT (`0` grafts without the plan's shard layout, each shard sized to an
-//! even share). Needs ~12 GB of memory at the default size (the index, its export and a grafted
+//! even share), KVROUTE_SCALE_DECISION_ONLY (`1` stops after the routing decision's figures). Needs ~12 GB of memory at the default size (the index, its export and a grafted
 //! copy are alive at once).
 
 use std::alloc::{GlobalAlloc, Layout};
@@ -91,6 +91,8 @@ static ALLOC: Counting = Counting;
 
 const PROMPT_BLOCKS: usize = 512; // 8,192 tokens
 const QUERIES: usize = 20_000;
+/// The goal for the decision's p99, in nanoseconds.
+const DECISION_GOAL_NS: u64 = 50_000;
 /// The snapshot's HMAC key: the service signs whenever an internal token is configured.
 const MAC_KEY: &[u8] = b"0123456789abcdef-scale-bench";
 const WARMUP_QUERIES: usize = 2_000;
@@ -267,6 +269,19 @@ fn main() {
         percentile(&lat_ns, 0.999) as f64 / 1e3,
         best_sum as f64 / QUERIES as f64
     );
+    // A decision the machine interrupts (a timer tick every 4 ms at HZ=250, a vCPU descheduled)
+    // lands far above the rest: how many did is what decides whether p99 is a clean one.
+    let over_goal = lat_ns.iter().filter(|&&ns| ns > DECISION_GOAL_NS).count();
+    println!(
+        "  decisions over {} us: {over_goal} of {} ({:.2} %)",
+        DECISION_GOAL_NS / 1_000,
+        lat_ns.len(),
+        over_goal as f64 * 100.0 / lat_ns.len() as f64
+    );
+
+    if std::env::var("KVROUTE_SCALE_DECISION_ONLY").as_deref() == Ok("1") {
+        return;
+    }
 
     // The joining replica's path, stage by stage.
     let t = Instant::now();

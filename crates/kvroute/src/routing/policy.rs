@@ -614,6 +614,49 @@ mod tests {
         }
     }
 
+    proptest! {
+        // The decision against its rules written out in full (eligible = within the bound
+        // unless no rank is; the draw indexes the list of eligible ranks at the minimum; the
+        // retries are a full sort), on fleets below and above the full-order limit, with the
+        // guard off, loose, and so tight that no rank is within it.
+        #[test]
+        fn the_decision_draws_among_its_eligible_ties_and_orders_the_rest_as_a_full_sort(
+            ranks in prop::collection::vec(
+                (prop::sample::select(vec![0u32, 0, 4, 8]), prop::sample::select(vec![0i64, 0, 1, 3, 12])),
+                1..300,
+            ),
+            factor in prop::sample::select(vec![0.0, 0.3, 2.0]),
+            seed in any::<u64>(),
+        ) {
+            let inputs: Vec<RankInput> = ranks.iter().map(|&(m, l)| loaded(m, l)).collect();
+            let weights = CostWeights {
+                load_bound_factor: factor,
+                load_bound_slack_requests: if factor < 1.0 { 0.0 } else { 2.0 },
+                ..CostWeights::default()
+            };
+            let p = Policy::new(PolicyKind::CacheAware, weights, Some(seed));
+            let d = p.decide(&inputs, 8 * 16, 16);
+            let bound = load_bound(&inputs, &weights);
+            let within: Vec<bool> = inputs
+                .iter()
+                .map(|r| bound.is_none_or(|b| r.effective_in_flight() + 1.0 <= b))
+                .collect();
+            let any_within = within.iter().any(|&w| w);
+            let eligible: Vec<usize> = (0..inputs.len()).filter(|&i| !any_within || within[i]).collect();
+            let min = eligible.iter().map(|&i| d.scores[i].cost_ms).fold(f64::INFINITY, f64::min);
+            let ties: Vec<usize> = eligible.iter().copied().filter(|&i| d.scores[i].cost_ms <= min).collect();
+            let mut rng = StdRng::seed_from_u64(seed);
+            prop_assert_eq!(d.order[0], ties[rng.random_range(0..ties.len())]);
+            let costs: Vec<f64> = d.scores.iter().map(|s| s.cost_ms).collect();
+            prop_assert_eq!(&d.order, &reference_order(d.order[0], &costs));
+            for (i, s) in d.scores.iter().enumerate() {
+                prop_assert_eq!(s.within_load_bound, within[i]);
+                let expected = if ties.contains(&i) { 1.0 / ties.len() as f64 } else { 0.0 };
+                prop_assert!((s.probability - expected).abs() < 1e-12);
+            }
+        }
+    }
+
     fn idle(matched: u32) -> RankInput {
         RankInput {
             matched_blocks: matched,
