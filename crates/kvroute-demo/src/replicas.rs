@@ -73,6 +73,12 @@ pub struct SweepArgs {
     /// for finding where a row's tail comes from (`bench/replica_trace.py` reads it).
     #[arg(long, value_name = "PATH")]
     pub replica_trace_out: Option<std::path::PathBuf>,
+    /// Every replica's `--data-plane-threads`, in every row (0 = one per CPU, the router's
+    /// default, which assumes the router has the machine to itself; here all the replicas share
+    /// it with the simulated fleet and the client).
+    #[arg(long, default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=kvroute::data_plane::DATA_PLANE_THREADS_MAX as u64))]
+    pub replica_data_plane_threads: u64,
 }
 
 impl Default for SweepArgs {
@@ -87,6 +93,7 @@ impl Default for SweepArgs {
             replica_cold_owner_timeout_ms: kvroute::config::DEFAULT_COLD_OWNER_TIMEOUT_MS,
             replica_through_one: false,
             replica_trace_out: None,
+            replica_data_plane_threads: 0,
         }
     }
 }
@@ -254,6 +261,7 @@ async fn run_once(
                 cold_owner_timeout_ms: args.sweep.replica_cold_owner_timeout_ms,
                 ..LoadShareConfig::default()
             },
+            data_plane_threads: args.sweep.replica_data_plane_threads as usize,
             ..router_config(
                 &fleet,
                 PolicyKind::CacheAware,
@@ -472,10 +480,11 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
         );
     } else {
         println!(
-            "kvroute replica sweep: {} engines x {} DP ranks, cache_aware, {}; median of {} rounds",
+            "kvroute replica sweep: {} engines x {} DP ranks, cache_aware, {}; data-plane threads per replica {}; median of {} rounds",
             ENGINES,
             DP_SIZE,
             super::workload_summary(args),
+            kvroute::data_plane::thread_count(args.sweep.replica_data_plane_threads as usize),
             args.sweep.replica_rounds
         );
         println!(
