@@ -9,7 +9,8 @@
 //! replay on `replay_port_base + i * dp_size + r` and (with `--load-publish`) load stats on
 //! `load_port_base + i * dp_size + r`. A value of 0 for any of these asks the OS for free ports
 //! instead; ranks of one engine still get consecutive ports (the router computes
-//! `base + rank` from `/server_info`), found by probing a contiguous free range.
+//! `base + rank` from `/server_info`), found by probing a contiguous free range below the
+//! kernel's ephemeral ports (`publish::PORT_PROBE_HIGH`).
 
 use std::path::PathBuf;
 

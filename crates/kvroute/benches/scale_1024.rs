@@ -26,8 +26,9 @@
 //! Run: `CARGO_PROFILE_BENCH_DEBUG=0 cargo bench -p kvroute --bench scale_1024`. Env:
 //! KVROUTE_SCALE_RANKS (1024), KVROUTE_SCALE_BLOCKS (100000, per rank),
 //! KVROUTE_SCALE_PLAN_LAYOUT (`0` grafts without the plan's shard layout, each shard sized to an
-//! even share), KVROUTE_SCALE_DECISION_ONLY (`1` stops after the routing decision's figures). Needs ~12 GB of memory at the default size (the index, its export and a grafted
-//! copy are alive at once).
+//! even share), KVROUTE_SCALE_DECISION_ONLY (`1` stops after the routing decision's figures).
+//! Needs ~12 GB of memory at the default size (the index, its export and a grafted copy are
+//! alive at once).
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::io::Write;
