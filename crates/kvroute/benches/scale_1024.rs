@@ -92,7 +92,7 @@ static ALLOC: Counting = Counting;
 
 const PROMPT_BLOCKS: usize = 512; // 8,192 tokens
 const QUERIES: usize = 20_000;
-/// The goal for the decision's p99, in nanoseconds.
+/// The goal for the decision's p99, in nanoseconds.
 const DECISION_GOAL_NS: u64 = 50_000;
 /// The snapshot's HMAC key: the service signs whenever an internal token is configured.
 const MAC_KEY: &[u8] = b"0123456789abcdef-scale-bench";
