@@ -79,13 +79,19 @@ async fn start_replicas(
     n: usize,
     cold_owner: ColdOwnerScope,
 ) -> Vec<kvroute::RouterHandle> {
+    start_replicas_with(urls, n, || following_config(urls, cold_owner)).await
+}
+
+/// `n` replicas of `make()`'s configuration, each listing the others as siblings, once every
+/// one hears every sibling.
+async fn start_replicas_with(
+    urls: &[String],
+    n: usize,
+    make: impl Fn() -> RouterConfig,
+) -> Vec<kvroute::RouterHandle> {
     let mut replicas = Vec::new();
     for _ in 0..n {
-        replicas.push(
-            kvroute::serve(following_config(urls, cold_owner))
-                .await
-                .expect("replica"),
-        );
+        replicas.push(kvroute::serve(make()).await.expect("replica"));
     }
     for (i, r) in replicas.iter().enumerate() {
         let siblings: Vec<PeerUrl> = replicas
@@ -95,7 +101,7 @@ async fn start_replicas(
             .map(|(_, s)| PeerUrl::parse(&s.internal_url()).expect("internal URL"))
             .collect();
         r.router.peers.replace(siblings);
-        wait_subscribed(&r.url(), 4).await;
+        wait_subscribed(&r.url(), urls.len() * 2).await;
     }
     wait_siblings_heard(&replicas).await;
     replicas
@@ -152,11 +158,27 @@ async fn replicas_receiving_one_cold_prompt_at_once_start_it_on_one_rank() {
             for s in sent {
                 ranks.push(s.await.expect("chat task").1);
             }
-            assert!(
-                ranks.windows(2).all(|w| w[0] == w[1]),
-                "{scope:?} group {group}: one cold prompt sent to 3 replicas at once went to \
-                 {ranks:?}"
-            );
+            if ranks.windows(2).any(|w| w[0] != w[1]) {
+                // Name the cause: each replica's placements so far, by outcome.
+                let mut outcomes = Vec::new();
+                for r in &replicas {
+                    let m = metrics_text(&r.url()).await;
+                    outcomes.push(
+                        [
+                            "owner_chose",
+                            "owner_failed",
+                            "owner_rank_unknown",
+                            "served",
+                        ]
+                        .map(|o| format!("{o}={}", placements(&m, o)))
+                        .join(" "),
+                    );
+                }
+                panic!(
+                    "{scope:?} group {group}: one cold prompt sent to 3 replicas at once went \
+                     to {ranks:?}; placements per replica: {outcomes:?}"
+                );
+            }
         }
         // Every placement a replica took from an owner was served by one, and none failed.
         let mut asked = 0.0;
@@ -180,6 +202,97 @@ async fn replicas_receiving_one_cold_prompt_at_once_start_it_on_one_rank() {
         for r in replicas {
             r.shutdown().await;
         }
+    }
+}
+
+/// The owner of a cold prompt counts a copy it placed for a sibling until the sibling's own
+/// booking of it arrives, and then no longer: counted twice, two copies placed for siblings
+/// look like four requests on the prompt's rank, which puts the owner's own copy over the load
+/// bound (4 ranks, 4 in flight: bound 2 x 5/4 + 2 = 4.5 < 5) and starts it on a second rank.
+/// The engines are slow and the bookings' frames far apart (placed hold 4 x 500 ms), so the
+/// owner's copy is planned after the siblings' bookings arrived and well within the hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owners_own_copy_follows_its_placements_once_the_askers_bookings_arrive() {
+    let sim = kvroute_sim::config::SimConfig {
+        engines: 2,
+        dp_size: 2,
+        served_model_name: "m".into(),
+        instant: false,
+        // Long enough that every copy is still in flight when the owner's copy is planned, and
+        // that none of the prompt's blocks is stored before then (the prompt stays cold).
+        prefill_us_per_token: 1_000,
+        ..kvroute_sim::config::SimConfig::for_tests()
+    };
+    let fleet = kvroute_sim::start_fleet(sim).await.expect("fleet starts");
+    let urls = urls(&fleet);
+    let replicas = start_replicas_with(&urls, 3, || {
+        let mut c = following_config(&urls, ColdOwnerScope::Fleet);
+        c.load_share.interval_ms = 500;
+        c
+    })
+    .await;
+    let internal: Vec<PeerUrl> = replicas
+        .iter()
+        .map(|r| PeerUrl::parse(&r.internal_url()).expect("internal URL"))
+        .collect();
+    let owner_at = internal
+        .iter()
+        .position(|me| {
+            let others: Vec<PeerUrl> = internal.iter().filter(|p| *p != me).cloned().collect();
+            kvroute::peer::cold_owner::owner_of(
+                kvroute::peer::cold_owner::FLEET_OWNER_KEY,
+                me,
+                &others,
+            ) == me
+        })
+        .expect("one replica owns the fleet's cold prompts");
+    let prompt = cold_prompt("late owner");
+    let asked: Vec<_> = (0..replicas.len())
+        .filter(|&i| i != owner_at)
+        .map(|i| tokio::spawn(chat(replicas[i].url(), prompt.clone())))
+        .collect();
+    let owner = &replicas[owner_at];
+    wait_until(
+        "the owner to hear both askers' bookings on one rank",
+        WAIT_DEADLINE,
+        || async {
+            let loads: Vec<(i64, i64)> = owner
+                .router
+                .registry
+                .workers()
+                .iter()
+                .flat_map(|w| {
+                    w.ranks
+                        .iter()
+                        .map(|l| {
+                            use std::sync::atomic::Ordering::Relaxed;
+                            (
+                                l.sibling_in_flight.load(Relaxed),
+                                l.placed_in_flight.load(Relaxed),
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            if loads.iter().any(|&(sibling, _)| sibling == 2) {
+                Ok(())
+            } else {
+                Err(format!("(sibling, placed) in flight per rank: {loads:?}"))
+            }
+        },
+    )
+    .await;
+    let (_, owner_rank) = chat(owner.url(), prompt.clone()).await;
+    let mut ranks = Vec::new();
+    for a in asked {
+        ranks.push(a.await.expect("chat task").1);
+    }
+    assert!(
+        ranks.iter().all(|r| *r == owner_rank),
+        "the askers' copies went to {ranks:?}, the owner's own to {owner_rank}"
+    );
+    for r in replicas {
+        r.shutdown().await;
     }
 }
 

@@ -54,10 +54,10 @@ pub struct RankLoad {
     pub sibling_in_flight: AtomicI64,
     pub sibling_queued_prefill_tokens: AtomicI64,
     /// Requests this replica placed on the rank for a sibling as the owner of a cold prompt
-    /// (`crate::peer::cold_owner`), counted for a short while
-    /// ([`crate::peer::cold_owner::placed_booking_ms`]) until the sibling's own bookings reach
-    /// this replica. Read by this replica's cost model only, never shared: the sibling shares
-    /// the real booking.
+    /// (`crate::peer::cold_owner`), counted until the siblings' summed bookings on the rank rise
+    /// by as much (the sibling's own booking has reached this replica: the load-share aggregator
+    /// hands the count over) or [`crate::peer::cold_owner::placed_booking_ms`] passes. Read by
+    /// this replica's cost model only, never shared: the sibling shares the real booking.
     pub placed_in_flight: AtomicI64,
     pub placed_queued_prefill_tokens: AtomicI64,
     /// vLLM's running and waiting requests on this rank from its `/metrics`, and when (on

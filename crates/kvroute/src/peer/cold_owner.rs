@@ -49,6 +49,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use kvroute_discovery::{PeerSourceConfig, PeerUrl};
@@ -178,9 +179,10 @@ pub fn self_peer_url(peers: Option<&PeerSourceConfig>, internal: SocketAddr) -> 
     })
 }
 
-/// How long the owner counts a request it placed for a sibling in its own cost model: four of
-/// the siblings' frame intervals, by when the sibling's own booking of it has reached the owner
-/// (a frame goes out at most one interval after a change).
+/// The longest the owner counts a request it placed for a sibling in its own cost model: four
+/// of the siblings' frame intervals, by when the sibling's own booking of it has reached the
+/// owner (a frame goes out at most one interval after a change). The booking usually ends
+/// sooner, handed over to the siblings' sums as they rise ([`hand_over_placed`]).
 pub fn placed_booking_ms(router: &Router) -> u64 {
     4 * router.config.load_share.interval_ms.max(1)
 }
@@ -201,9 +203,22 @@ pub fn book_placed(
     let hold = Duration::from_millis(placed_booking_ms(router));
     router.control.spawn(async move {
         tokio::time::sleep(hold).await;
-        rank.placed_in_flight.fetch_sub(1, Relaxed);
-        rank.placed_queued_prefill_tokens
-            .fetch_sub(prefill_tokens, Relaxed);
+        // The siblings' sums may have taken this booking over already (`hand_over_placed`).
+        hand_over_placed(&rank.placed_in_flight, 1);
+        hand_over_placed(&rank.placed_queued_prefill_tokens, prefill_tokens);
+    });
+}
+
+/// Releases up to `amount` (> 0) of a placed booking counter, never below zero: the booking's
+/// hold ending and the siblings' sums rising both release it, whichever comes first, so neither
+/// may take it negative (a negative count would hide real load).
+pub fn hand_over_placed(counter: &AtomicI64, amount: i64) {
+    if amount <= 0 {
+        return;
+    }
+    // Cannot fail: the closure always returns Some.
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
+        Some((held - amount).max(0))
     });
 }
 
@@ -317,6 +332,25 @@ mod tests {
 
     fn url(s: &str) -> PeerUrl {
         PeerUrl::parse(s).unwrap()
+    }
+
+    #[test]
+    fn a_placed_booking_released_twice_never_goes_below_zero() {
+        let placed = AtomicI64::new(2);
+        // The siblings' sums rose by one: one booking handed over.
+        hand_over_placed(&placed, 1);
+        assert_eq!(placed.load(Ordering::Relaxed), 1);
+        // A rise larger than what is held releases what is held, no more.
+        hand_over_placed(&placed, 5);
+        assert_eq!(placed.load(Ordering::Relaxed), 0);
+        // Then the holds end: nothing left to release, and no negative count hides real load.
+        hand_over_placed(&placed, 1);
+        assert_eq!(placed.load(Ordering::Relaxed), 0);
+        // A fall of the sums (a negative rise) releases nothing.
+        placed.store(3, Ordering::Relaxed);
+        hand_over_placed(&placed, -2);
+        hand_over_placed(&placed, 0);
+        assert_eq!(placed.load(Ordering::Relaxed), 3);
     }
 
     #[test]

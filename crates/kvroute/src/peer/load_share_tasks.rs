@@ -381,9 +381,27 @@ async fn aggregate(router: Arc<Router>) {
     }
 }
 
+/// Writes a rank's new sibling sums, and hands over to them the owner's placed bookings
+/// (`crate::peer::cold_owner::book_placed`) that they now cover: a rise of the siblings'
+/// in-flight requests and queued tokens on the rank is, first of all, the arrival of the
+/// bookings of requests this replica placed for them. Without the hand-over a placed request
+/// was counted twice, once placed and once shared, until its hold ran out, and the owner's own
+/// copy of a cold prompt could then find the prompt's rank over the load bound and start it
+/// on a second rank. A rise that belongs to another request releases a placed booking early,
+/// which under-counts that rank only until the placed request's own booking arrives.
 fn store_sibling_load(load: &RankLoad, in_flight: u64, queued: u64) {
-    load.sibling_in_flight
-        .store(in_flight.min(i64::MAX as u64) as i64, Ordering::Relaxed);
-    load.sibling_queued_prefill_tokens
-        .store(queued.min(i64::MAX as u64) as i64, Ordering::Relaxed);
+    let in_flight = in_flight.min(i64::MAX as u64) as i64;
+    let queued = queued.min(i64::MAX as u64) as i64;
+    let in_flight_before = load.sibling_in_flight.swap(in_flight, Ordering::Relaxed);
+    let queued_before = load
+        .sibling_queued_prefill_tokens
+        .swap(queued, Ordering::Relaxed);
+    crate::peer::cold_owner::hand_over_placed(
+        &load.placed_in_flight,
+        in_flight.saturating_sub(in_flight_before),
+    );
+    crate::peer::cold_owner::hand_over_placed(
+        &load.placed_queued_prefill_tokens,
+        queued.saturating_sub(queued_before),
+    );
 }
