@@ -88,6 +88,44 @@ fn bench(c: &mut Criterion) {
     c.bench_function("encode_chat_whole_uncached_9_messages", |b| {
         b.iter(|| tok.encode_chat_whole(&messages).unwrap())
     });
+    // The first turn of a long conversation (the demo's long-conversations workload): a known
+    // ~500-word system block, then a new ~11,000-word document every iteration, which no cache
+    // can have seen (the whole of it is tokenized on the request's path).
+    let long_system = format!(
+        "You are a careful assistant. {}",
+        (0..500)
+            .map(|i| format!("word{}", i % 97))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    // Words drawn at random from a small vocabulary, as the demo's generator draws them.
+    const VOCABULARY: [&str; 16] = [
+        "prefix", "cache", "rank", "block", "engine", "router", "token", "decode", "replica",
+        "snapshot", "sibling", "pending", "graft", "cursor", "eviction", "latency",
+    ];
+    let mut draw = 0x9e37_79b9_7f4a_7c15_u64;
+    let document: Vec<&str> = (0..11_000)
+        .map(|_| {
+            draw = draw
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            VOCABULARY[(draw >> 60) as usize]
+        })
+        .collect();
+    let mut doc_turn = 0u64;
+    c.bench_function("encode_chat_first_turn_11000_word_document", |b| {
+        b.iter(|| {
+            doc_turn += 1;
+            let messages = [
+                json!({"role": "system", "content": long_system}),
+                json!({"role": "user", "content": format!(
+                    "Document {doc_turn}. {} Question: what does it say?",
+                    document.join(" ")
+                )}),
+            ];
+            tok.encode_chat(&messages).unwrap()
+        })
+    });
     c.bench_function("plan_cache_aware_8_ranks", |b| {
         b.iter(|| r.plan(group.clone(), &tokens).unwrap())
     });

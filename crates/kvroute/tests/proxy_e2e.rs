@@ -550,11 +550,21 @@ async fn metrics_expose_requests_decisions_latency_matches_and_in_flight() {
     )
     .await;
     assert_eq!(status, 200);
+    let (status, _, _) = post_json(
+        &format!("{}/v1/chat/completions", router.url()),
+        &json!({"model": "m", "max_tokens": 1,
+            "messages": [{"role": "user", "content": "x y z"}]}),
+    )
+    .await;
+    assert_eq!(status, 200);
     let text = metrics_text(&router.url()).await;
     for series in [
         "kvroute_requests_total{route=\"/v1/completions\",status=\"200\"} 1",
         "kvroute_routing_decisions_total{policy=\"cache_aware\"",
         "kvroute_routing_latency_seconds_bucket",
+        // One text prompt and one chat tokenized, each timed once under its kind.
+        "kvroute_tokenize_seconds_count{kind=\"prompt\"} 1",
+        "kvroute_tokenize_seconds_count{kind=\"chat\"} 1",
         "kvroute_matched_blocks_bucket",
         "kvroute_in_flight_requests{",
     ] {

@@ -13,6 +13,10 @@ pub struct Metrics {
     pub requests: IntCounterVec,
     pub decisions: IntCounterVec,
     pub routing_latency: HistogramVec,
+    /// Time to tokenize one request's text prompt or chat on its path, by `kind` (`prompt`,
+    /// `chat`): apart from `routing_latency`, because on a long new document it is the larger
+    /// part of what the router adds to the request (docs/BENCHMARKS.md, "Routing hot path").
+    pub tokenize_latency: HistogramVec,
     pub matched_blocks: HistogramVec,
     pub in_flight: IntGaugeVec,
     pub upstream_failures: IntCounterVec,
@@ -69,13 +73,24 @@ impl Metrics {
         let routing_latency = HistogramVec::new(
             HistogramOpts::new(
                 "kvroute_routing_latency_seconds",
-                "Time to tokenize, hash, match and score one request",
+                "Time to hash, match and score one request (tokenizing is kvroute_tokenize_seconds)",
             )
             .buckets(vec![
                 0.000_005, 0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001,
                 0.002_5, 0.005, 0.01, 0.05,
             ]),
             &["policy"],
+        )?;
+        let tokenize_latency = HistogramVec::new(
+            HistogramOpts::new(
+                "kvroute_tokenize_seconds",
+                "Time to tokenize one request's text prompt or chat, by kind",
+            )
+            .buckets(vec![
+                0.000_01, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05,
+                0.1, 0.25,
+            ]),
+            &["kind"],
         )?;
         let matched_blocks = HistogramVec::new(
             HistogramOpts::new(
@@ -122,6 +137,7 @@ impl Metrics {
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(decisions.clone()))?;
         registry.register(Box::new(routing_latency.clone()))?;
+        registry.register(Box::new(tokenize_latency.clone()))?;
         registry.register(Box::new(matched_blocks.clone()))?;
         registry.register(Box::new(in_flight.clone()))?;
         registry.register(Box::new(upstream_failures.clone()))?;
@@ -222,6 +238,7 @@ impl Metrics {
             requests,
             decisions,
             routing_latency,
+            tokenize_latency,
             matched_blocks,
             in_flight,
             upstream_failures,

@@ -217,6 +217,18 @@ fn within_tokenize_cap(router: &Router, text_bytes: usize) -> bool {
     false
 }
 
+/// Runs one tokenization and records its time in `kvroute_tokenize_seconds{kind}`.
+fn timed_tokenize<T>(router: &Router, kind: &str, tokenize: impl FnOnce() -> T) -> T {
+    let started = std::time::Instant::now();
+    let tokens = tokenize();
+    router
+        .metrics
+        .tokenize_latency
+        .with_label_values(&[kind])
+        .observe(started.elapsed().as_secs_f64());
+    tokens
+}
+
 pub fn prepare(router: &Router, endpoint: Endpoint, bytes: &[u8]) -> Result<Prepared, ApiError> {
     let prepared = prepare_unchecked(router, endpoint, bytes)?;
     check_prompt_length(&prepared.group, &prepared.tokens)?;
@@ -265,7 +277,8 @@ fn prepare_unchecked(
             },
             (_, Some(Value::String(text))) => match &tok {
                 Some(t) if admit_text(router, &group, t, text.len())? => {
-                    let ids = t.encode_prompt(text).map_err(|e| bad(e.to_string()))?;
+                    let ids = timed_tokenize(router, "prompt", || t.encode_prompt(text))
+                        .map_err(|e| bad(e.to_string()))?;
                     body.remove("text");
                     rewritten = true;
                     body.insert(
@@ -284,7 +297,8 @@ fn prepare_unchecked(
             None | Some(Value::Null) => return Err(missing("prompt", "'prompt' is required")),
             Some(Value::String(text)) => match &tok {
                 Some(t) if admit_text(router, &group, t, text.len())? => {
-                    let ids = t.encode_prompt(text).map_err(|e| bad(e.to_string()))?;
+                    let ids = timed_tokenize(router, "prompt", || t.encode_prompt(text))
+                        .map_err(|e| bad(e.to_string()))?;
                     rewritten = true;
                     body.insert(
                         "prompt".into(),
@@ -319,7 +333,7 @@ fn prepare_unchecked(
                 // the template can render).
                 Some(t) if t.has_chat_template() && within_tokenize_cap(router, bytes.len()) => {
                     let normalized = crate::routing::tokenize::normalize_messages(messages);
-                    match t.encode_chat(&normalized) {
+                    match timed_tokenize(router, "chat", || t.encode_chat(&normalized)) {
                         Ok((ids, how)) => {
                             if let crate::routing::tokenize::ChatTokenization::Segmented {
                                 cached_segments,
