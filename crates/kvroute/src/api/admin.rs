@@ -70,7 +70,8 @@ pub(super) async fn debug_route(State(s): State<AppState>, body: Body) -> Respon
             Endpoint::Completions
         };
         let prepared = prepare(router, endpoint, &bytes)?;
-        let plan = router.plan_preview(prepared.group, &prepared.tokens)?;
+        let plan =
+            router.plan_preview_sized(prepared.group, &prepared.tokens, prepared.prompt_tokens)?;
         Ok::<_, ApiError>(plan_json(router, &plan))
     }
     .await;

@@ -21,6 +21,8 @@ pub struct Metrics {
     pub in_flight: IntGaugeVec,
     pub upstream_failures: IntCounterVec,
     pub retries: IntCounterVec,
+    /// Chat tokenizations by segment outcome: `hit` and `miss` per segment, `whole` per chat
+    /// tokenized whole, `head` per chat routed on its head alone (`routing::tokenize`).
     pub tokenizer_cache: IntCounterVec,
     /// Text prompts (and chats) the router routed on load without tokenizing, by reason:
     /// `text_too_long` (past `--tokenize-text-bytes-max`).

@@ -77,16 +77,22 @@ pub async fn route_request(
     let Prepared {
         group,
         tokens,
+        prompt_tokens,
         body,
         rewritten,
     } = prepared;
-    let mut plan = router.plan(group, &tokens)?;
+    let mut plan = router.plan_sized(group, &tokens, prompt_tokens)?;
     if let Some(deferral) = &plan.cold_deferral {
         // A cold prompt another replica owns: its placement, or ours past the timeout.
         let asked = std::time::Instant::now();
-        let placement =
-            crate::peer::cold_owner::ask_owner(router, &deferral.owner, &plan.model.name, &tokens)
-                .await;
+        let placement = crate::peer::cold_owner::ask_owner(
+            router,
+            &deferral.owner,
+            &plan.model.name,
+            &tokens,
+            prompt_tokens,
+        )
+        .await;
         router
             .metrics
             .cold_placement_wait
@@ -124,7 +130,11 @@ pub fn log_failure(e: &ApiError, request_id: &str, endpoint: Endpoint) {
 /// A request ready to route: its model group, the tokens to hash, the body to forward.
 pub struct Prepared {
     pub group: Arc<ModelGroup>,
+    /// The prompt's tokens, or its first ones when a chat was tokenized only in its head (see
+    /// `prompt_tokens`).
     pub tokens: Vec<u32>,
+    /// The prompt's length in tokens: `tokens.len()`, or an estimate when `tokens` is a head.
+    pub prompt_tokens: usize,
     /// `None` when the body was never materialised (token-id fast path): it is then exactly the
     /// client's bytes, and the proxy parses them only if it must add a field.
     pub body: Option<Map<String, Value>>,
@@ -244,6 +254,7 @@ fn prepare_unchecked(
         let group = router.resolve_model(model.as_deref())?;
         return Ok(Prepared {
             group,
+            prompt_tokens: tokens.len(),
             tokens,
             body: None,
             rewritten: false,
@@ -262,6 +273,7 @@ fn prepare_unchecked(
     let group = router.resolve_model(model.as_deref())?;
     let tok = group.tokenizer.clone();
     let mut rewritten = false;
+    let mut head_prompt_tokens = None;
     let tokens = match endpoint {
         Endpoint::Generate => match (body.get("input_ids"), body.get("text")) {
             (Some(ids), _) if !ids.is_null() => match token_array(ids) {
@@ -332,23 +344,43 @@ fn prepare_unchecked(
                 // only the tokenizing cap applies, measured on the whole body (which holds all
                 // the template can render).
                 Some(t) if t.has_chat_template() && within_tokenize_cap(router, bytes.len()) => {
+                    use crate::routing::tokenize::ChatTokenization;
                     let normalized = crate::routing::tokenize::normalize_messages(messages);
-                    match timed_tokenize(router, "chat", || t.encode_chat(&normalized)) {
+                    let mut encoded =
+                        timed_tokenize(router, "chat", || t.encode_chat_head(&normalized));
+                    if let Ok((
+                        head,
+                        ChatTokenization::Head {
+                            prompt_tokens_estimate,
+                            ..
+                        },
+                    )) = &encoded
+                    {
+                        if head_decides(router, &group, head, *prompt_tokens_estimate) {
+                            head_prompt_tokens = Some(*prompt_tokens_estimate);
+                            t.complete_aside(normalized.clone(), head.clone());
+                        } else {
+                            encoded = timed_tokenize(router, "chat", || t.encode_chat(&normalized));
+                        }
+                    }
+                    match encoded {
                         Ok((ids, how)) => {
-                            if let crate::routing::tokenize::ChatTokenization::Segmented {
-                                cached_segments,
-                                fresh_segments,
-                            } = how
-                            {
-                                let m = &router.metrics.tokenizer_cache;
-                                m.with_label_values(&["hit"]).inc_by(cached_segments as u64);
-                                m.with_label_values(&["miss"]).inc_by(fresh_segments as u64);
-                            } else {
-                                router
-                                    .metrics
-                                    .tokenizer_cache
-                                    .with_label_values(&["whole"])
-                                    .inc();
+                            let m = &router.metrics.tokenizer_cache;
+                            match how {
+                                ChatTokenization::Segmented {
+                                    cached_segments,
+                                    fresh_segments,
+                                } => {
+                                    m.with_label_values(&["hit"]).inc_by(cached_segments as u64);
+                                    m.with_label_values(&["miss"]).inc_by(fresh_segments as u64);
+                                }
+                                ChatTokenization::Head {
+                                    cached_segments, ..
+                                } => {
+                                    m.with_label_values(&["hit"]).inc_by(cached_segments as u64);
+                                    m.with_label_values(&["head"]).inc();
+                                }
+                                ChatTokenization::Whole => m.with_label_values(&["whole"]).inc(),
                             }
                             ids
                         }
@@ -368,9 +400,36 @@ fn prepare_unchecked(
     Ok(Prepared {
         rewritten,
         group,
+        prompt_tokens: head_prompt_tokens.unwrap_or(tokens.len()),
         tokens,
         body: Some(body),
     })
+}
+
+/// Whether a chat's head (`ModelTokenizer::encode_chat_head`) is all its routing needs: no
+/// rank's match, pending blocks included, reaches the head's last whole block (past a block no
+/// rank holds, no later token can change any rank's match), and the estimated length is far
+/// enough under the model's limit that counting it exactly could not refuse it.
+fn head_decides(
+    router: &Router,
+    group: &Arc<ModelGroup>,
+    head: &[u32],
+    prompt_tokens_estimate: usize,
+) -> bool {
+    if group
+        .prompt_tokens_max
+        .is_some_and(|max| prompt_tokens_estimate.saturating_mul(2) > max.tokens)
+    {
+        return false;
+    }
+    let head_blocks = head.len() / group.block_size.max(1);
+    match router.plan_preview_sized(group.clone(), head, prompt_tokens_estimate) {
+        Ok(preview) => preview
+            .candidates
+            .iter()
+            .all(|c| (c.input.matched_blocks as usize) < head_blocks),
+        Err(_) => false,
+    }
 }
 
 #[cfg(test)]

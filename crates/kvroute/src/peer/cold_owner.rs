@@ -68,6 +68,9 @@ pub const COLD_PLACE_BODY_MAX_BYTES: usize = 4 * 1024 * 1024;
 pub const COLD_PLACE_ANSWER_MAX_BYTES: usize = 16 * 1024;
 /// The longest prompt sent to its owner (what fits the body cap).
 pub const COLD_PLACE_TOKENS_MAX: usize = COLD_PLACE_BODY_MAX_BYTES / 4;
+/// Header of a placement request: the prompt's whole length in tokens, when the body holds
+/// only its first ones (a chat tokenized in its head, `crate::routing::tokenize`).
+pub const COLD_PLACE_PROMPT_TOKENS_HEADER: &str = "x-kvroute-prompt-tokens";
 /// Position of the block whose hash keys a prompt's owner (or the prompt's last block, when it
 /// is shorter). Eight blocks is 128 tokens at the common block size of 16: past a chat
 /// template's opening, inside a system prompt.
@@ -244,6 +247,7 @@ pub async fn ask_owner(
     owner: &PeerUrl,
     model: &str,
     tokens: &[u32],
+    prompt_tokens: usize,
 ) -> Result<ColdPlacement, ColdAskError> {
     let timeout_ms = router.config.load_share.cold_owner_timeout_ms;
     let mut body = Vec::with_capacity(tokens.len() * 4);
@@ -259,6 +263,9 @@ pub async fn ask_owner(
         .header(COLD_PLACE_MODEL_HEADER, model)
         .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
         .body(body);
+    if prompt_tokens > tokens.len() {
+        req = req.header(COLD_PLACE_PROMPT_TOKENS_HEADER, prompt_tokens);
+    }
     if let Some(t) = router.config.internal_auth_token.as_deref() {
         req = req.bearer_auth(String::from_utf8_lossy(t));
     }

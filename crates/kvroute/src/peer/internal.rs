@@ -499,10 +499,18 @@ async fn cold_place(
     let model = headers
         .get(COLD_PLACE_MODEL_HEADER)
         .and_then(|v| v.to_str().ok());
+    // The prompt's whole length when the asker sent only its head (a chat tokenized in its
+    // head); never fewer tokens than the body holds, never more than a body could.
+    let prompt_tokens = headers
+        .get(crate::peer::cold_owner::COLD_PLACE_PROMPT_TOKENS_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(0)
+        .clamp(tokens.len(), crate::peer::cold_owner::COLD_PLACE_TOKENS_MAX);
     let placed = s
         .router
         .resolve_model(model)
-        .and_then(|group| s.router.plan_as_owner(group, &tokens));
+        .and_then(|group| s.router.plan_as_owner(group, &tokens, prompt_tokens));
     match placed {
         Ok(placement) => {
             s.router

@@ -136,7 +136,24 @@ impl Router {
     /// Scores every routable rank of `group` for `tokens` and orders them, and (cache_aware)
     /// records the prompt's blocks as pending on the chosen rank: the routing path.
     pub fn plan(&self, group: Arc<ModelGroup>, tokens: &[u32]) -> Result<RoutePlan, ApiError> {
-        self.plan_inner(group, tokens, PlanMode::Route)
+        self.plan_inner(group, tokens, tokens.len(), PlanMode::Route)
+    }
+
+    /// [`Router::plan`] for a prompt of `prompt_tokens` tokens of which `tokens` are the first
+    /// ones: a chat tokenized only in its head (`crate::routing::tokenize`), whose length the
+    /// cost model reads as an estimate.
+    pub fn plan_sized(
+        &self,
+        group: Arc<ModelGroup>,
+        tokens: &[u32],
+        prompt_tokens: usize,
+    ) -> Result<RoutePlan, ApiError> {
+        self.plan_inner(
+            group,
+            tokens,
+            prompt_tokens.max(tokens.len()),
+            PlanMode::Route,
+        )
     }
 
     /// Plans a sibling's cold prompt as its owner (`crate::peer::cold_owner`): records the
@@ -148,8 +165,14 @@ impl Router {
         &self,
         group: Arc<ModelGroup>,
         tokens: &[u32],
+        prompt_tokens: usize,
     ) -> Result<ColdPlacement, ApiError> {
-        let plan = self.plan_inner(group, tokens, PlanMode::Owner)?;
+        let plan = self.plan_inner(
+            group,
+            tokens,
+            prompt_tokens.max(tokens.len()),
+            PlanMode::Owner,
+        )?;
         let chosen = plan.chosen();
         let worker = plan.worker(chosen);
         let uncached = plan.decision.scores[plan.decision.order[0]].uncached_tokens as i64;
@@ -296,13 +319,30 @@ impl Router {
         group: Arc<ModelGroup>,
         tokens: &[u32],
     ) -> Result<RoutePlan, ApiError> {
-        self.plan_inner(group, tokens, PlanMode::Preview)
+        self.plan_inner(group, tokens, tokens.len(), PlanMode::Preview)
+    }
+
+    /// [`Router::plan_preview`] for a prompt of `prompt_tokens` tokens of which `tokens` are
+    /// the first ones (see [`Router::plan_sized`]).
+    pub fn plan_preview_sized(
+        &self,
+        group: Arc<ModelGroup>,
+        tokens: &[u32],
+        prompt_tokens: usize,
+    ) -> Result<RoutePlan, ApiError> {
+        self.plan_inner(
+            group,
+            tokens,
+            prompt_tokens.max(tokens.len()),
+            PlanMode::Preview,
+        )
     }
 
     fn plan_inner(
         &self,
         group: Arc<ModelGroup>,
         tokens: &[u32],
+        prompt_tokens: usize,
         mode: PlanMode,
     ) -> Result<RoutePlan, ApiError> {
         let started = Instant::now();
@@ -398,7 +438,7 @@ impl Router {
                 crate::routing::kv::hash_blocks(tokens, block_size, hashes);
             }
             let role = (use_pending && mode == PlanMode::Route)
-                .then(|| self.cold_role(tokens.len(), hashes, best_held))
+                .then(|| self.cold_role(prompt_tokens, hashes, best_held))
                 .flatten();
             // A cold prompt this replica places (as a sibling's owner, or its own prompt that
             // it owns) is placed under one lock, from reading the pending table to recording in
@@ -424,7 +464,7 @@ impl Router {
                 }
             }
             let inputs: Vec<RankInput> = candidates.iter().map(|c| c.input).collect();
-            let decision = self.policy.decide(&inputs, tokens.len(), block_size);
+            let decision = self.policy.decide(&inputs, prompt_tokens, block_size);
             if use_pending && mode != PlanMode::Preview {
                 match role {
                     Some(ColdRole::Theirs(owner)) => {
@@ -452,7 +492,7 @@ impl Router {
             model: group,
             candidates,
             decision,
-            prompt_tokens: tokens.len(),
+            prompt_tokens,
             indexed,
             cold_deferral,
             prefill_booked_by_owner: None,

@@ -53,6 +53,16 @@ pub const CHAT_MESSAGES_MAX: usize = 4_096;
 /// long conversation cannot make the router do quadratic work.
 pub const SEGMENTED_RENDER_BUDGET_BYTES: usize = 32 * 1024 * 1024;
 
+/// A segment the cache has not seen and at least this long is tokenized only in its head on the
+/// request's path, when the caller allows it ([`ModelTokenizer::encode_chat_head`]).
+pub const ROUTING_HEAD_SEGMENT_BYTES_MIN: usize = 32 * 1024;
+/// How much of such a segment is tokenized on the path: about 1,600 tokens of English, 100
+/// blocks of 16, far more than the first block a match needs.
+pub const ROUTING_HEAD_BYTES: usize = 8 * 1024;
+/// Completions of head-only chats running aside at once, per model; past it a chat's tail is
+/// not tokenized aside (its next turn tokenizes it on its own path, as without heads).
+pub const ROUTING_HEAD_COMPLETIONS_MAX: usize = 2;
+
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizeError {
     #[error("cannot load tokenizer from {path}: {reason}")]
@@ -77,6 +87,13 @@ pub enum ChatTokenization {
     },
     /// The whole rendering was tokenized (template not prefix-stable, or model fell back).
     Whole,
+    /// Only a head was tokenized ([`ModelTokenizer::encode_chat_head`]): the tokens are the
+    /// chat's first ones, and `prompt_tokens_estimate` is the whole chat's length estimated
+    /// from the head's bytes per token.
+    Head {
+        cached_segments: usize,
+        prompt_tokens_estimate: usize,
+    },
 }
 
 /// What a cache entry costs against the token budget.
@@ -183,6 +200,13 @@ pub struct ModelTokenizer {
     renders: AtomicU64,
     chats_seen: AtomicU64,
     segmented_disabled: AtomicBool,
+    /// Set when a completed chat's tokens did not start with its head's: heads are then never
+    /// used again for this model.
+    heads_disabled: AtomicBool,
+    /// Head-only chats being completed aside (at most [`ROUTING_HEAD_COMPLETIONS_MAX`]).
+    completing: std::sync::atomic::AtomicUsize,
+    /// Completions finished, for tests.
+    completions_done: AtomicU64,
     /// Set while a periodic verification runs in the background (at most one per model).
     verifying: AtomicBool,
     /// Periodic verifications completed, for tests.
@@ -278,6 +302,9 @@ impl ModelTokenizer {
             renders: AtomicU64::new(0),
             chats_seen: AtomicU64::new(0),
             segmented_disabled: AtomicBool::new(false),
+            heads_disabled: AtomicBool::new(false),
+            completing: std::sync::atomic::AtomicUsize::new(0),
+            completions_done: AtomicU64::new(0),
             verifying: AtomicBool::new(false),
             verifications_done: AtomicU64::new(0),
             last_verify_ms: AtomicU64::new(u64::MAX),
@@ -349,6 +376,86 @@ impl ModelTokenizer {
         self: &Arc<Self>,
         messages: &[Value],
     ) -> Result<(Vec<u32>, ChatTokenization), TokenizeError> {
+        self.encode_chat_with(messages, false)
+    }
+
+    /// Like [`Self::encode_chat`], but a long segment the cache has not seen (a new document)
+    /// is tokenized only in its head, and the chat's later segments not at all: the result is
+    /// then [`ChatTokenization::Head`] and its tokens are the chat's first ones.
+    ///
+    /// Why: routing reads a prompt's tokens only as far as some rank holds its blocks, and on
+    /// a new document that is the document's first block at most, while tokenizing all of it
+    /// costs milliseconds per ten thousand tokens on the request's path (docs/BENCHMARKS.md,
+    /// "Long conversations against the peers"). The caller decides whether the head is enough
+    /// (no rank's match reaches its last whole block), else tokenizes the chat whole with
+    /// [`Self::encode_chat`]; and it hands the head to [`Self::complete_aside`], which tokenizes
+    /// the rest off the path (so the conversation's next turn finds it cached) and checks that
+    /// the head was the whole chat's beginning.
+    ///
+    /// The head ends before a single space between two words, so the text after it starts
+    /// with that space and its next word. Pre-tokenizers of the BPE tokenizers in use (byte-level
+    /// GPT-2 and tiktoken-style patterns, SentencePiece's metaspace) attach a space to the word
+    /// that follows it, so no token spans the cut. That is an observation about tokenizers, not
+    /// a guarantee, so it is checked on every completion, and one mismatch turns heads off for
+    /// the model for good.
+    pub fn encode_chat_head(
+        self: &Arc<Self>,
+        messages: &[Value],
+    ) -> Result<(Vec<u32>, ChatTokenization), TokenizeError> {
+        let heads = !self.heads_disabled.load(Ordering::Relaxed);
+        self.encode_chat_with(messages, heads)
+    }
+
+    /// Tokenizes the rest of a chat whose head [`Self::encode_chat_head`] gave, on the blocking
+    /// pool (filling the segment cache for the next turn), and turns heads off for this model if
+    /// the whole chat's tokens do not start with `head`. At most
+    /// [`ROUTING_HEAD_COMPLETIONS_MAX`] run at once; past that the chat is not completed.
+    /// Outside a tokio runtime it runs inline.
+    pub fn complete_aside(self: &Arc<Self>, messages: Vec<Value>, head: Vec<u32>) {
+        if self.completing.fetch_add(1, Ordering::AcqRel) >= ROUTING_HEAD_COMPLETIONS_MAX {
+            self.completing.fetch_sub(1, Ordering::AcqRel);
+            return;
+        }
+        let me = self.clone();
+        let complete = move || {
+            match me.encode_chat_with(&messages, false) {
+                Ok((whole, _)) if !whole.starts_with(&head) => {
+                    tracing::warn!(
+                        tokenizer = %me.path.display(),
+                        "a chat's head tokens differ from the start of its whole tokens; \
+                         tokenizing chats whole on the request's path from now on"
+                    );
+                    me.heads_disabled.store(true, Ordering::Relaxed);
+                }
+                Ok(_) => {}
+                Err(e) => tracing::debug!(error = %e, "completing a chat's tokens failed"),
+            }
+            me.completions_done.fetch_add(1, Ordering::Relaxed);
+            me.completing.fetch_sub(1, Ordering::AcqRel);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn_blocking(complete);
+            }
+            Err(_) => complete(),
+        }
+    }
+
+    /// Head-only chats completed aside so far, for tests.
+    pub fn completions_done(&self) -> u64 {
+        self.completions_done.load(Ordering::Relaxed)
+    }
+
+    /// False once a completion found a head that was not its chat's beginning.
+    pub fn heads_enabled(&self) -> bool {
+        !self.heads_disabled.load(Ordering::Relaxed)
+    }
+
+    fn encode_chat_with(
+        self: &Arc<Self>,
+        messages: &[Value],
+        allow_head: bool,
+    ) -> Result<(Vec<u32>, ChatTokenization), TokenizeError> {
         validate_messages(messages)?;
         let conversation_bytes: usize = messages
             .iter()
@@ -359,9 +466,14 @@ impl ModelTokenizer {
         {
             return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
         }
-        let Some((tokens, how)) = self.encode_chat_segmented(messages)? else {
+        let Some((tokens, how)) = self.encode_chat_segmented(messages, allow_head)? else {
             return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
         };
+        if matches!(how, ChatTokenization::Head { .. }) {
+            // Checked when it is completed (`complete_aside`), not here: checking now would
+            // tokenize the whole chat on the path, which is what the head spares.
+            return Ok((tokens, how));
+        }
         let n = self.chats_seen.fetch_add(1, Ordering::Relaxed);
         if n < VERIFY_FIRST_CHATS {
             // The first chats are checked before they are used, so a template that breaks the
@@ -447,9 +559,13 @@ impl ModelTokenizer {
     }
 
     /// `None` when the template is not prefix-stable for these messages.
+    /// With `allow_head`, stops at the first segment the cache has not seen that is at least
+    /// [`ROUTING_HEAD_SEGMENT_BYTES_MIN`] long, after tokenizing its head (see
+    /// [`Self::encode_chat_head`]); nothing is cached for that segment or after it.
     fn encode_chat_segmented(
         &self,
         messages: &[Value],
+        allow_head: bool,
     ) -> Result<Option<(Vec<u32>, ChatTokenization)>, TokenizeError> {
         // Step k < n is the prefix messages[..=k]; step n is the generation prompt.
         let mut keys = Vec::with_capacity(messages.len() + 1);
@@ -504,6 +620,39 @@ impl ModelTokenizer {
                         cached += 1;
                         t
                     }
+                    None if allow_head && segment.len() >= ROUTING_HEAD_SEGMENT_BYTES_MIN => {
+                        if let Some(cut) = head_cut(segment, ROUTING_HEAD_BYTES) {
+                            let head = self.encode(&segment[..cut], false)?;
+                            // The rest of the chat: this segment's tail, and what the later
+                            // messages hold (their rendering adds a few tokens each).
+                            let rest_bytes = (segment.len() - cut)
+                                + messages[k.min(messages.len())..]
+                                    .iter()
+                                    .skip(1)
+                                    .map(|m| {
+                                        m.get("content").and_then(Value::as_str).map_or(0, str::len)
+                                            + 16
+                                    })
+                                    .sum::<usize>()
+                                + 16;
+                            let rest_tokens = (rest_bytes as u128 * head.len().max(1) as u128
+                                / cut.max(1) as u128)
+                                as usize;
+                            out.extend_from_slice(&head);
+                            let prompt_tokens_estimate = out.len().saturating_add(rest_tokens);
+                            return Ok(Some((
+                                out,
+                                ChatTokenization::Head {
+                                    cached_segments: cached,
+                                    prompt_tokens_estimate,
+                                },
+                            )));
+                        }
+                        fresh += 1;
+                        let t: Arc<[u32]> = self.encode(segment, false)?.into();
+                        self.cache.lock().insert(seg_key, t.clone());
+                        t
+                    }
                     None => {
                         fresh += 1;
                         let t: Arc<[u32]> = self.encode(segment, false)?.into();
@@ -540,6 +689,20 @@ impl ModelTokenizer {
     pub fn segmented_enabled(&self) -> bool {
         !self.segmented_disabled.load(Ordering::Relaxed)
     }
+}
+
+/// Where a head of at most `head_bytes` of `segment` ends: before the last single space
+/// between two non-space characters within it (see [`ModelTokenizer::encode_chat_head`]), or
+/// `None` when the head holds no such space (one unbroken run of text: tokenize it all).
+fn head_cut(segment: &str, head_bytes: usize) -> Option<usize> {
+    let bytes = segment.as_bytes();
+    let end = head_bytes.min(bytes.len().saturating_sub(1));
+    (1..end).rev().find(|&i| {
+        bytes[i] == b' ' && !bytes[i - 1].is_ascii_whitespace() && {
+            let next = bytes[i + 1];
+            !next.is_ascii_whitespace()
+        }
+    })
 }
 
 fn validate_messages(messages: &[Value]) -> Result<(), TokenizeError> {
@@ -745,6 +908,125 @@ mod real_tokenizer_tests {
             .join(if rng.random_bool(0.5) { " " } else { "" })
     }
 
+    /// A document of `words` random words from [`WORDS`] (single spaces, and now and then a
+    /// word glued to the next, so cuts fall in every kind of place).
+    fn document(rng: &mut StdRng, words: usize) -> String {
+        let mut doc = String::new();
+        for _ in 0..words {
+            doc.push_str(WORDS[rng.random_range(0..WORDS.len())]);
+            if rng.random_bool(0.9) {
+                doc.push(' ');
+            }
+        }
+        doc
+    }
+
+    #[test]
+    fn a_new_long_document_is_tokenized_in_its_head_and_the_head_starts_the_whole_chat() {
+        let tok = shipped();
+        let mut rng = StdRng::seed_from_u64(5);
+        for case in 0..6 {
+            let doc = document(&mut rng, 12_000);
+            assert!(doc.len() >= ROUTING_HEAD_SEGMENT_BYTES_MIN, "{}", doc.len());
+            let mut messages = vec![
+                json!({"role": "system", "content": "Be brief."}),
+                json!({"role": "user", "content": doc}),
+            ];
+            if case % 2 == 1 {
+                // Later messages are estimated, not tokenized.
+                messages.push(json!({"role": "assistant", "content": "noted"}));
+                messages.push(json!({"role": "user", "content": random_text(&mut rng)}));
+            }
+            let (head, how) = tok.encode_chat_head(&messages).unwrap();
+            let ChatTokenization::Head {
+                prompt_tokens_estimate,
+                ..
+            } = how
+            else {
+                panic!("case {case}: a long new document gave {how:?}");
+            };
+            let whole = tok.encode_chat_whole(&messages).unwrap();
+            assert!(
+                whole.starts_with(&head),
+                "case {case}: the head ({} tokens) is not the start of the whole chat",
+                head.len()
+            );
+            assert!(
+                head.len() * 4 < whole.len(),
+                "case {case}: a head of {} tokens out of {} spares little",
+                head.len(),
+                whole.len()
+            );
+            let error = prompt_tokens_estimate.abs_diff(whole.len()) as f64 / whole.len() as f64;
+            assert!(
+                error < 0.2,
+                "case {case}: estimated {prompt_tokens_estimate} tokens, the chat has {}",
+                whole.len()
+            );
+        }
+    }
+
+    #[test]
+    fn a_completed_head_leaves_its_document_cached_and_short_chats_are_never_cut() {
+        let tok = shipped();
+        let mut rng = StdRng::seed_from_u64(6);
+        let short = vec![json!({"role": "user", "content": random_text(&mut rng)})];
+        let (_, how) = tok.encode_chat_head(&short).unwrap();
+        assert!(matches!(how, ChatTokenization::Segmented { .. }), "{how:?}");
+        // Long enough for a head, short enough to be cached (`CACHED_SEGMENT_MAX_TOKENS`).
+        let messages = vec![
+            json!({"role": "system", "content": "Be brief."}),
+            json!({"role": "user", "content": document(&mut rng, 8_000)}),
+        ];
+        let (head, how) = tok.encode_chat_head(&messages).unwrap();
+        assert!(matches!(how, ChatTokenization::Head { .. }), "{how:?}");
+        // Outside a runtime the completion runs inline.
+        tok.complete_aside(messages.clone(), head);
+        assert_eq!(tok.completions_done(), 1);
+        assert!(tok.heads_enabled());
+        // The next turn: the document comes from the cache, nothing is cut.
+        let mut next = messages.clone();
+        next.push(json!({"role": "assistant", "content": "noted"}));
+        next.push(json!({"role": "user", "content": "and then?"}));
+        let (tokens, how) = tok.encode_chat_head(&next).unwrap();
+        assert!(
+            matches!(how, ChatTokenization::Segmented { cached_segments, .. } if cached_segments >= 2),
+            "{how:?}"
+        );
+        assert_eq!(tokens, tok.encode_chat_whole(&next).unwrap());
+    }
+
+    #[test]
+    fn a_head_that_does_not_start_its_whole_chat_turns_heads_off_for_the_model() {
+        let tok = shipped();
+        let mut rng = StdRng::seed_from_u64(8);
+        let messages = vec![json!({"role": "user", "content": document(&mut rng, 12_000)})];
+        let (mut head, _) = tok.encode_chat_head(&messages).unwrap();
+        // As if the tokenizer had merged a token across the cut.
+        let last = head.len() - 1;
+        head[last] = head[last].wrapping_add(1);
+        tok.complete_aside(messages.clone(), head);
+        assert!(!tok.heads_enabled());
+        let other = vec![json!({"role": "user", "content": document(&mut rng, 12_000)})];
+        let (tokens, how) = tok.encode_chat_head(&other).unwrap();
+        assert!(!matches!(how, ChatTokenization::Head { .. }), "{how:?}");
+        assert_eq!(tokens, tok.encode_chat_whole(&other).unwrap());
+    }
+
+    #[test]
+    fn a_head_is_cut_before_a_single_space_between_two_words_or_not_at_all() {
+        assert_eq!(head_cut("alpha beta gamma", 12), Some(10));
+        // Not inside a run of spaces, nor before a newline.
+        assert_eq!(head_cut("alpha  beta\ngamma", 16), None);
+        assert_eq!(head_cut("alpha beta  gamma", 16), Some(5));
+        // No space at all: no head.
+        assert_eq!(head_cut(&"x".repeat(100), 50), None);
+        // Multi-byte text around the space: the cut is a char boundary.
+        let text = "日本語 émigré 日本語";
+        let cut = head_cut(text, text.len()).unwrap();
+        assert!(text.is_char_boundary(cut) && text[cut..].starts_with(' '));
+    }
+
     #[test]
     fn segmented_chat_tokens_equal_tokenizing_the_whole_rendering() {
         let tok = shipped();
@@ -765,7 +1047,7 @@ mod real_tokenizer_tests {
                 .collect();
             let whole = tok.encode_chat_whole(&messages).unwrap();
             let (segmented, _) = tok
-                .encode_chat_segmented(&messages)
+                .encode_chat_segmented(&messages, false)
                 .unwrap()
                 .expect("ChatML is prefix-stable");
             assert_eq!(segmented, whole, "case {case}: {messages:?}");
