@@ -126,6 +126,21 @@ fn bench(c: &mut Criterion) {
             tok.encode_chat(&messages).unwrap()
         })
     });
+    // The same first turn as the request's path tokenizes it: its head only (the rest is
+    // tokenized aside, off the path, and not timed here).
+    c.bench_function("encode_chat_head_first_turn_11000_word_document", |b| {
+        b.iter(|| {
+            doc_turn += 1;
+            let messages = [
+                json!({"role": "system", "content": long_system}),
+                json!({"role": "user", "content": format!(
+                    "Document {doc_turn}. {} Question: what does it say?",
+                    document.join(" ")
+                )}),
+            ];
+            tok.encode_chat_head(&messages).unwrap()
+        })
+    });
     c.bench_function("plan_cache_aware_8_ranks", |b| {
         b.iter(|| r.plan(group.clone(), &tokens).unwrap())
     });

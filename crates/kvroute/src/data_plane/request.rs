@@ -358,7 +358,17 @@ fn prepare_unchecked(
                     {
                         if head_decides(router, &group, head, *prompt_tokens_estimate) {
                             head_prompt_tokens = Some(*prompt_tokens_estimate);
-                            t.complete_aside(normalized.clone(), head.clone());
+                            // Tokenizing the rest aside holds what tokenizing it here would
+                            // have, so it is charged to the same budget; when that is spent,
+                            // the rest is not tokenized aside (the next turn tokenizes it).
+                            let charge = bytes.len().min(router.config.tokenize_text_bytes_max);
+                            if let Ok(permit) = router
+                                .prepare_budget
+                                .clone()
+                                .try_acquire_many_owned(u32::try_from(charge).unwrap_or(u32::MAX))
+                            {
+                                t.complete_aside(normalized.clone(), head.clone(), permit);
+                            }
                         } else {
                             encoded = timed_tokenize(router, "chat", || t.encode_chat(&normalized));
                         }

@@ -410,8 +410,14 @@ impl ModelTokenizer {
     /// pool (filling the segment cache for the next turn), and turns heads off for this model if
     /// the whole chat's tokens do not start with `head`. At most
     /// [`ROUTING_HEAD_COMPLETIONS_MAX`] run at once; past that the chat is not completed.
+    /// `held` (the caller's share of a memory budget, say) is dropped when the completion ends.
     /// Outside a tokio runtime it runs inline.
-    pub fn complete_aside(self: &Arc<Self>, messages: Vec<Value>, head: Vec<u32>) {
+    pub fn complete_aside<H: Send + 'static>(
+        self: &Arc<Self>,
+        messages: Vec<Value>,
+        head: Vec<u32>,
+        held: H,
+    ) {
         if self.completing.fetch_add(1, Ordering::AcqRel) >= ROUTING_HEAD_COMPLETIONS_MAX {
             self.completing.fetch_sub(1, Ordering::AcqRel);
             return;
@@ -432,6 +438,7 @@ impl ModelTokenizer {
             }
             me.completions_done.fetch_add(1, Ordering::Relaxed);
             me.completing.fetch_sub(1, Ordering::AcqRel);
+            drop(held);
         };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
@@ -981,7 +988,7 @@ mod real_tokenizer_tests {
         let (head, how) = tok.encode_chat_head(&messages).unwrap();
         assert!(matches!(how, ChatTokenization::Head { .. }), "{how:?}");
         // Outside a runtime the completion runs inline.
-        tok.complete_aside(messages.clone(), head);
+        tok.complete_aside(messages.clone(), head, ());
         assert_eq!(tok.completions_done(), 1);
         assert!(tok.heads_enabled());
         // The next turn: the document comes from the cache, nothing is cut.
@@ -1005,7 +1012,7 @@ mod real_tokenizer_tests {
         // As if the tokenizer had merged a token across the cut.
         let last = head.len() - 1;
         head[last] = head[last].wrapping_add(1);
-        tok.complete_aside(messages.clone(), head);
+        tok.complete_aside(messages.clone(), head, ());
         assert!(!tok.heads_enabled());
         let other = vec![json!({"role": "user", "content": document(&mut rng, 12_000)})];
         let (tokens, how) = tok.encode_chat_head(&other).unwrap();
