@@ -26,6 +26,14 @@
 //! conversation's next turn renders only the messages it adds (and the generation prompt), and a
 //! repeated request renders nothing. A remembered prefix is only used after checking, by length
 //! and hash, that the new rendering starts with it.
+//!
+//! Heads. A new document in a chat (a long segment the cache has not seen) is what tokenizing
+//! costs most, and routing needs little of it: a rank's match can only run past a block if the
+//! rank holds every block before it. So the data plane asks for the chat's head
+//! (`encode_chat_head`): the segments before the document and the document's first 8 KiB. It
+//! keeps the head when no rank's match reaches the head's end, and the rest is tokenized on the
+//! blocking pool (`complete_aside`), which caches it for the next turn and checks that the head
+//! began the whole chat; one mismatch turns heads off for the model, as with the segment cache.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
