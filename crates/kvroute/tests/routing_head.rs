@@ -18,6 +18,20 @@ fn document(tag: &str) -> String {
         .join(" ")
 }
 
+/// A chat of a short system message and [`document`]`(tag)`, and the tokens the whole chat
+/// becomes (for the assertions).
+fn document_chat(tag: &str) -> (Value, Vec<u32>) {
+    let messages = json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": document(tag)},
+    ]);
+    let reference = Arc::new(ModelTokenizer::load(&tokenizer_path(), 64).unwrap());
+    let whole = reference
+        .encode_chat_whole(messages.as_array().unwrap())
+        .unwrap();
+    (messages, whole)
+}
+
 /// Sends one chat through `base`; returns the decision header's fields by name.
 async fn chat(base: &str, messages: &Value) -> std::collections::HashMap<String, String> {
     let (status, body, headers) = post_json(
@@ -59,15 +73,7 @@ async fn a_new_document_routes_on_its_head_and_a_router_that_sees_it_held_tokeni
     let b = kvroute::serve(router_config(&urls)).await.unwrap();
     wait_subscribed(&a.url(), 4).await;
     wait_subscribed(&b.url(), 4).await;
-    let messages = json!([
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": document("d")},
-    ]);
-    // What the whole chat tokenizes to, for the assertions.
-    let reference = Arc::new(ModelTokenizer::load(&tokenizer_path(), 64).unwrap());
-    let whole = reference
-        .encode_chat_whole(messages.as_array().unwrap())
-        .unwrap();
+    let (messages, whole) = document_chat("d");
     let block = fleet.engines[0].block_size();
 
     // Router A has never seen the document: it routes on the head, with the length estimated.
@@ -157,4 +163,71 @@ async fn a_new_document_routes_on_its_head_and_a_router_that_sees_it_held_tokeni
     );
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// Once a head's chat is tokenized aside, the blocks past the head become pending on the rank
+/// the chat went to, so a copy of the same document sent while the first one's prefill still
+/// runs follows it there instead of computing it again elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_of_a_new_document_sent_during_its_first_prefill_follows_it() {
+    let sim = kvroute_sim::config::SimConfig {
+        engines: 2,
+        dp_size: 2,
+        served_model_name: "m".into(),
+        instant: false,
+        // A prefill of a few seconds: the copy is routed while it runs, before any KV event.
+        prefill_us_per_token: 150,
+        ..kvroute_sim::config::SimConfig::for_tests()
+    };
+    let fleet = kvroute_sim::start_fleet(sim).await.expect("fleet starts");
+    let router = kvroute::serve(kvroute::RouterConfig {
+        // Pending blocks outlive the test (the default TTL is shorter than a debug build's
+        // tokenizing of the copy).
+        pending_prefix_ttl_ms: 30_000,
+        ..router_config(&urls(&fleet))
+    })
+    .await
+    .unwrap();
+    wait_subscribed(&router.url(), 4).await;
+    let (messages, whole) = document_chat("c");
+    let whole_blocks = whole.len() / fleet.engines[0].block_size();
+    let base = router.url();
+    let first = tokio::spawn({
+        let (base, messages) = (base.clone(), messages.clone());
+        async move { chat(&base, &messages).await }
+    });
+    let group = router.router.registry.model("m").unwrap();
+    wait_until(
+        "the whole document to be pending on one rank (the head's completion extends it)",
+        WAIT_DEADLINE,
+        || async {
+            let plan = router.router.plan_preview(group.clone(), &whole).unwrap();
+            let deepest = plan
+                .candidates
+                .iter()
+                .map(|c| (c.input.matched_blocks as usize, c.input.pending_blocks))
+                .max()
+                .unwrap_or_default();
+            if deepest.0 + 1 >= whole_blocks && deepest.1 > 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "deepest (matched, pending) {deepest:?} of {whole_blocks} blocks"
+                ))
+            }
+        },
+    )
+    .await;
+    let copy = chat(&base, &messages).await;
+    let first = first.await.expect("first chat");
+    assert_eq!(
+        (&copy["url"], &copy["dp_rank"]),
+        (&first["url"], &first["dp_rank"]),
+        "the copy follows the first prefill: {copy:?}"
+    );
+    assert!(
+        number(&copy, "matched_blocks") + 1 >= whole_blocks,
+        "the copy matched the whole document as pending: {copy:?}"
+    );
+    router.shutdown().await;
 }

@@ -78,6 +78,7 @@ pub async fn route_request(
         group,
         tokens,
         prompt_tokens,
+        head_completion,
         body,
         rewritten,
     } = prepared;
@@ -101,6 +102,12 @@ pub async fn route_request(
             tracing::debug!(owner = %deferral.owner, error = %e, "cold placement not used");
         }
         router.settle_cold(&mut plan, placement.as_ref().ok());
+    }
+    if let Some(completion) = head_completion {
+        // Now that the rank is chosen: the rest of the chat is tokenized aside, and its blocks
+        // become pending there.
+        let (r, model, chosen) = (router.clone(), plan.model.clone(), plan.chosen().clone());
+        completion.start(move |whole| r.extend_pending(&model, &chosen, whole));
     }
     // The ids are not needed past planning, and a maximal body's ids take twice its size: they
     // are freed before the forward, which can take as long as the engine does.
@@ -135,11 +142,31 @@ pub struct Prepared {
     pub tokens: Vec<u32>,
     /// The prompt's length in tokens: `tokens.len()`, or an estimate when `tokens` is a head.
     pub prompt_tokens: usize,
+    /// The rest of a chat routed on its head, to tokenize aside once it is routed (dropped
+    /// unstarted, it only releases its budget).
+    pub head_completion: Option<HeadCompletion>,
     /// `None` when the body was never materialised (token-id fast path): it is then exactly the
     /// client's bytes, and the proxy parses them only if it must add a field.
     pub body: Option<Map<String, Value>>,
     /// True when `body` differs from the client's bytes (text replaced by token ids).
     pub rewritten: bool,
+}
+
+/// A chat routed on its head, whose rest is to be tokenized aside
+/// (`ModelTokenizer::complete_aside`), holding its share of the prepare budget until then.
+pub struct HeadCompletion {
+    tokenizer: Arc<ModelTokenizer>,
+    messages: Vec<Value>,
+    head: Vec<u32>,
+    budget: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl HeadCompletion {
+    /// Tokenizes the rest aside; `then` receives the whole chat's tokens.
+    pub fn start(self, then: impl FnOnce(&[u32]) + Send + 'static) {
+        self.tokenizer
+            .complete_aside(self.messages, self.head, self.budget, then);
+    }
 }
 
 /// Tokens and model of a body the generic path would route on its token ids unchanged, or `None`
@@ -255,6 +282,7 @@ fn prepare_unchecked(
         return Ok(Prepared {
             group,
             prompt_tokens: tokens.len(),
+            head_completion: None,
             tokens,
             body: None,
             rewritten: false,
@@ -274,6 +302,7 @@ fn prepare_unchecked(
     let tok = group.tokenizer.clone();
     let mut rewritten = false;
     let mut head_prompt_tokens = None;
+    let mut head_completion = None;
     let tokens = match endpoint {
         Endpoint::Generate => match (body.get("input_ids"), body.get("text")) {
             (Some(ids), _) if !ids.is_null() => match token_array(ids) {
@@ -362,12 +391,17 @@ fn prepare_unchecked(
                             // have, so it is charged to the same budget; when that is spent,
                             // the rest is not tokenized aside (the next turn tokenizes it).
                             let charge = bytes.len().min(router.config.tokenize_text_bytes_max);
-                            if let Ok(permit) = router
+                            if let Ok(budget) = router
                                 .prepare_budget
                                 .clone()
                                 .try_acquire_many_owned(u32::try_from(charge).unwrap_or(u32::MAX))
                             {
-                                t.complete_aside(normalized.clone(), head.clone(), permit);
+                                head_completion = Some(HeadCompletion {
+                                    tokenizer: t.clone(),
+                                    messages: normalized,
+                                    head: head.clone(),
+                                    budget,
+                                });
                             }
                         } else {
                             encoded = timed_tokenize(router, "chat", || t.encode_chat(&normalized));
@@ -411,6 +445,7 @@ fn prepare_unchecked(
         rewritten,
         group,
         prompt_tokens: head_prompt_tokens.unwrap_or(tokens.len()),
+        head_completion,
         tokens,
         body: Some(body),
     })

@@ -231,6 +231,22 @@ impl Router {
         self.record_pending_choice(&plan.model, &deferral.hashes, &chosen, Instant::now());
     }
 
+    /// Extends the pending prefix of a prompt routed on its head (`routing::tokenize`) once its
+    /// whole tokens are known: the blocks past the head become pending on the rank it was
+    /// routed to, as if it had been tokenized whole on the path, so a copy of the same document
+    /// that comes while its first prefill runs follows it there (with only the head pending,
+    /// waiting behind that prefill looks dearer than computing it again elsewhere).
+    pub fn extend_pending(&self, group: &ModelGroup, chosen: &RankCandidate, tokens: &[u32]) {
+        if self.policy.kind != crate::routing::policy::PolicyKind::CacheAware
+            || !self.pending.enabled()
+        {
+            return;
+        }
+        let mut hashes = Vec::new();
+        crate::routing::kv::hash_blocks(tokens, group.block_size, &mut hashes);
+        self.record_pending_choice(group, &hashes, chosen, Instant::now());
+    }
+
     /// Records the prompt's blocks the chosen rank neither holds nor has pending, and offers
     /// them to the siblings' streams.
     fn record_pending_choice(

@@ -31,9 +31,11 @@
 //! costs most, and routing needs little of it: a rank's match can only run past a block if the
 //! rank holds every block before it. So the data plane asks for the chat's head
 //! (`encode_chat_head`): the segments before the document and the document's first 8 KiB. It
-//! keeps the head when no rank's match reaches the head's end, and the rest is tokenized on the
-//! blocking pool (`complete_aside`), which caches it for the next turn and checks that the head
-//! began the whole chat; one mismatch turns heads off for the model, as with the segment cache.
+//! keeps the head when no rank's match reaches the head's end, and once the request is routed
+//! the rest is tokenized on the blocking pool (`complete_aside`), which caches it for the next
+//! turn, hands the whole tokens on (the router makes them pending on the chosen rank) and checks
+//! that the head began the whole chat; one mismatch turns heads off for the model, as with the
+//! segment cache.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -418,13 +420,15 @@ impl ModelTokenizer {
     /// pool (filling the segment cache for the next turn), and turns heads off for this model if
     /// the whole chat's tokens do not start with `head`. At most
     /// [`ROUTING_HEAD_COMPLETIONS_MAX`] run at once; past that the chat is not completed.
-    /// `held` (the caller's share of a memory budget, say) is dropped when the completion ends.
+    /// `held` (the caller's share of a memory budget, say) is dropped when the completion ends;
+    /// `then` receives the whole chat's tokens when they start with `head`.
     /// Outside a tokio runtime it runs inline.
     pub fn complete_aside<H: Send + 'static>(
         self: &Arc<Self>,
         messages: Vec<Value>,
         head: Vec<u32>,
         held: H,
+        then: impl FnOnce(&[u32]) + Send + 'static,
     ) {
         if self.completing.fetch_add(1, Ordering::AcqRel) >= ROUTING_HEAD_COMPLETIONS_MAX {
             self.completing.fetch_sub(1, Ordering::AcqRel);
@@ -441,7 +445,7 @@ impl ModelTokenizer {
                     );
                     me.heads_disabled.store(true, Ordering::Relaxed);
                 }
-                Ok(_) => {}
+                Ok((whole, _)) => then(&whole),
                 Err(e) => tracing::debug!(error = %e, "completing a chat's tokens failed"),
             }
             me.completions_done.fetch_add(1, Ordering::Relaxed);
@@ -996,8 +1000,17 @@ mod real_tokenizer_tests {
         let (head, how) = tok.encode_chat_head(&messages).unwrap();
         assert!(matches!(how, ChatTokenization::Head { .. }), "{how:?}");
         // Outside a runtime the completion runs inline.
-        tok.complete_aside(messages.clone(), head, ());
+        let whole_len = Arc::new(AtomicU64::new(0));
+        let seen = whole_len.clone();
+        tok.complete_aside(messages.clone(), head, (), move |whole| {
+            seen.store(whole.len() as u64, Ordering::Relaxed)
+        });
         assert_eq!(tok.completions_done(), 1);
+        assert_eq!(
+            whole_len.load(Ordering::Relaxed) as usize,
+            tok.encode_chat_whole(&messages).unwrap().len(),
+            "the completion hands the whole chat's tokens on"
+        );
         assert!(tok.heads_enabled());
         // The next turn: the document comes from the cache, nothing is cut.
         let mut next = messages.clone();
@@ -1020,7 +1033,9 @@ mod real_tokenizer_tests {
         // As if the tokenizer had merged a token across the cut.
         let last = head.len() - 1;
         head[last] = head[last].wrapping_add(1);
-        tok.complete_aside(messages.clone(), head, ());
+        tok.complete_aside(messages.clone(), head, (), |_| {
+            panic!("a head that is not the chat's beginning is not handed on")
+        });
         assert!(!tok.heads_enabled());
         let other = vec![json!({"role": "user", "content": document(&mut rng, 12_000)})];
         let (tokens, how) = tok.encode_chat_head(&other).unwrap();
