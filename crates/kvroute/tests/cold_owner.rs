@@ -9,6 +9,7 @@ use kvroute::RouterConfig;
 use kvroute::config::ColdOwnerScope;
 use kvroute::peer::cold_owner::{
     COLD_PLACE_BODY_MAX_BYTES, COLD_PLACE_MODEL_HEADER, COLD_PLACE_PATH,
+    COLD_PLACE_PROMPT_TOKENS_HEADER,
 };
 use kvroute::peer::load_share::LoadShareConfig;
 use kvroute_discovery::PeerUrl;
@@ -512,5 +513,32 @@ async fn the_placement_endpoint_refuses_what_is_not_a_placement_request() {
         placed["dp_rank"].as_u64().is_some_and(|r| r < 2),
         "{placed}"
     );
+    // The prompt's whole length, when the body is only its head: the owner books the whole
+    // prompt's prefill; a length it cannot read, or past what a body could hold, is clamped,
+    // never refused nor trusted.
+    let booked = |first: u32, length: &'static str| {
+        let ids: Vec<u8> = (first..first + 64).flat_map(|t| t.to_le_bytes()).collect();
+        let req = client()
+            .post(&place)
+            .header(COLD_PLACE_MODEL_HEADER, "m")
+            .header(COLD_PLACE_PROMPT_TOKENS_HEADER, length)
+            .bearer_auth(String::from_utf8_lossy(TOKEN))
+            .body(ids);
+        async move {
+            let resp = req.send().await.expect("sent");
+            assert_eq!(resp.status().as_u16(), 200, "length header {length:?}");
+            let placed: serde_json::Value = resp.json().await.expect("json");
+            placed["prefill_booked_us"].as_u64().expect("booked")
+        }
+    };
+    let head_only = booked(1_000, "64").await;
+    let whole = booked(2_000, "6400").await;
+    assert!(
+        whole > 50 * head_only,
+        "a 6,400-token prompt books {whole} us, its 64-token head alone {head_only} us"
+    );
+    for unreadable in ["many", "-5", "99999999999999999999", "9999999999"] {
+        booked(3_000, unreadable).await;
+    }
     a.shutdown().await;
 }
