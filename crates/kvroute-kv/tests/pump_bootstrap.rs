@@ -317,11 +317,20 @@ impl Gate {
     }
 
     /// The slice observer: counts, then waits for a token while the gate is closed.
+    ///
+    /// The wait blocks the runtime worker the pump runs on, so it is declared to tokio
+    /// (`block_in_place`, which hands the worker's duties to another thread). Undeclared, it
+    /// once hung a clean-clone CI run for good: the pump's worker blocked here, the other worker
+    /// slept on its condition variable, and the test's thread waited in `wait_until`'s
+    /// `tokio::time::sleep`, a timer no thread was left to drive, so the token never came. The
+    /// tests using the gate run on the multi-thread runtime, which `block_in_place` needs.
     fn after_slice(&self) {
         self.slices
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
-            let _ = self.tokens.lock().recv();
+            tokio::task::block_in_place(|| {
+                let _ = self.tokens.lock().recv();
+            });
         }
     }
 
