@@ -148,12 +148,7 @@ impl Router {
         tokens: &[u32],
         prompt_tokens: usize,
     ) -> Result<RoutePlan, ApiError> {
-        self.plan_inner(
-            group,
-            tokens,
-            prompt_tokens.max(tokens.len()),
-            PlanMode::Route,
-        )
+        self.plan_inner(group, tokens, prompt_tokens, PlanMode::Route)
     }
 
     /// Plans a sibling's cold prompt as its owner (`crate::peer::cold_owner`): records the
@@ -167,12 +162,7 @@ impl Router {
         tokens: &[u32],
         prompt_tokens: usize,
     ) -> Result<ColdPlacement, ApiError> {
-        let plan = self.plan_inner(
-            group,
-            tokens,
-            prompt_tokens.max(tokens.len()),
-            PlanMode::Owner,
-        )?;
+        let plan = self.plan_inner(group, tokens, prompt_tokens, PlanMode::Owner)?;
         let chosen = plan.chosen();
         let worker = plan.worker(chosen);
         let uncached = plan.decision.scores[plan.decision.order[0]].uncached_tokens as i64;
@@ -346,12 +336,7 @@ impl Router {
         tokens: &[u32],
         prompt_tokens: usize,
     ) -> Result<RoutePlan, ApiError> {
-        self.plan_inner(
-            group,
-            tokens,
-            prompt_tokens.max(tokens.len()),
-            PlanMode::Preview,
-        )
+        self.plan_inner(group, tokens, prompt_tokens, PlanMode::Preview)
     }
 
     fn plan_inner(
@@ -361,6 +346,8 @@ impl Router {
         prompt_tokens: usize,
         mode: PlanMode,
     ) -> Result<RoutePlan, ApiError> {
+        // A prompt is never shorter than the tokens in hand (an estimate for a head may be).
+        let prompt_tokens = prompt_tokens.max(tokens.len());
         let started = Instant::now();
         let now = started;
         let now_us = crate::control::registry::clock_us();

@@ -452,12 +452,7 @@ impl ModelTokenizer {
             me.completing.fetch_sub(1, Ordering::AcqRel);
             drop(held);
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn_blocking(complete);
-            }
-            Err(_) => complete(),
-        }
+        run_aside(complete);
     }
 
     /// Head-only chats completed aside so far, for tests.
@@ -564,12 +559,7 @@ impl ModelTokenizer {
                 me.verifying.store(false, Ordering::Release);
             }
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn_blocking(check);
-            }
-            Err(_) => check(),
-        }
+        run_aside(check);
     }
 
     /// Periodic (background) verifications completed so far.
@@ -707,6 +697,17 @@ impl ModelTokenizer {
 
     pub fn segmented_enabled(&self) -> bool {
         !self.segmented_disabled.load(Ordering::Relaxed)
+    }
+}
+
+/// Runs `job` on the blocking pool of the current tokio runtime, or inline outside one (the
+/// background checks and completions of this module).
+fn run_aside(job: impl FnOnce() + Send + 'static) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn_blocking(job);
+        }
+        Err(_) => job(),
     }
 }
 
