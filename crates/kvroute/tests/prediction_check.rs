@@ -1,8 +1,11 @@
 //! The prediction check end to end: a real router in front of simulated engines over real HTTP
 //! and ZMQ. An engine that tokenizes chats like the router never raises the check over a long
 //! run; an engine with another chat template (so its token ids, and with them its KV events,
-//! never match the router's) raises it, `under`, on `/workers` and on the gauge. Streamed answers
-//! are read to the end, so the usage chunk is scanned as it passes through.
+//! never match the router's) raises it, `under`, on `/workers` and on the gauge. A router with no
+//! tokenizer, or one without a chat template, routes that text blind to the caches: it says so on
+//! `/workers` and in `kvroute_untokenized_prompts_total`, and the check raises `under` from the
+//! engines' reports alone. Streamed answers are read to the end, so the usage chunk is scanned as
+//! it passes through.
 
 mod common;
 
@@ -30,6 +33,13 @@ fn system_prompt(i: usize) -> String {
 }
 
 async fn start(sim_tokenizer: std::path::PathBuf) -> (kvroute_sim::Fleet, kvroute::RouterHandle) {
+    start_with_router_tokenizer(sim_tokenizer, Some(tokenizer_path())).await
+}
+
+async fn start_with_router_tokenizer(
+    sim_tokenizer: std::path::PathBuf,
+    router_tokenizer: Option<std::path::PathBuf>,
+) -> (kvroute_sim::Fleet, kvroute::RouterHandle) {
     let fleet = kvroute_sim::start_fleet(SimConfig {
         engines: 1,
         dp_size: 2,
@@ -44,6 +54,7 @@ async fn start(sim_tokenizer: std::path::PathBuf) -> (kvroute_sim::Fleet, kvrout
             window_requests: WINDOW_REQUESTS,
             tolerance: 0.5,
         },
+        tokenizer_path: router_tokenizer,
         ..router_config(&urls(&fleet))
     })
     .await
@@ -82,11 +93,36 @@ async fn drive(base: &str) {
     }
 }
 
+/// A fresh directory holding the shipped `tokenizer.json` alone (no `tokenizer_config.json`).
+fn dir_with_the_shipped_vocabulary(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvroute-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    std::fs::copy(tokenizer_path(), dir.join("tokenizer.json")).expect("tokenizer copied");
+    dir
+}
+
 fn check_of(workers: &Value) -> Value {
     workers["prediction_checks"]
         .as_array()
         .and_then(|c| c.iter().find(|c| c["model"] == "m").cloned())
         .unwrap_or(Value::Null)
+}
+
+/// Asserts the check is raised `under`, on `/workers` and on the gauge; returns the check and
+/// the metrics text.
+async fn raised_under(base: &str) -> (Value, String) {
+    let check = check_of(&workers(base).await);
+    assert_eq!(check["mismatch"], "under", "{check}");
+    let m = metrics_text(base).await;
+    assert_eq!(
+        metric(
+            &m,
+            "kvroute_prediction_mismatch{direction=\"under\",model=\"m\"}"
+        ),
+        1.0,
+        "the gauge is raised:\n{m}"
+    );
+    (check, m)
 }
 
 fn metric(text: &str, prefix: &str) -> f64 {
@@ -129,9 +165,7 @@ async fn an_engine_that_tokenizes_like_the_router_never_raises_the_check() {
 async fn an_engine_with_another_chat_template_raises_the_check_under() {
     // The same vocabulary, another chat template: the engine's token ids for a chat differ
     // from the router's from the first token on.
-    let dir = std::env::temp_dir().join(format!("kvroute-template-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    std::fs::copy(tokenizer_path(), dir.join("tokenizer.json")).expect("tokenizer copied");
+    let dir = dir_with_the_shipped_vocabulary("template");
     std::fs::write(
         dir.join("tokenizer_config.json"),
         serde_json::to_vec(&json!({
@@ -144,19 +178,91 @@ async fn an_engine_with_another_chat_template_raises_the_check_under() {
     let (fleet, router) = start(dir.join("tokenizer.json")).await;
     let base = router.url();
     drive(&base).await;
-    let check = check_of(&workers(&base).await);
-    assert_eq!(check["mismatch"], "under", "{check}");
+    let (check, _) = raised_under(&base).await;
     assert_eq!(
         check["predicted_cached_tokens"], 0,
         "the index never matches the router's tokens: {check}"
     );
-    let m = metrics_text(&base).await;
+    router.shutdown().await;
+    fleet.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn model_of(workers: &Value) -> Value {
+    workers["models"]
+        .as_array()
+        .and_then(|m| m.iter().find(|m| m["model"] == "m").cloned())
+        .unwrap_or(Value::Null)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_without_a_tokenizer_shows_it_and_the_engines_reports_raise_the_check_under() {
+    let (fleet, router) = start_with_router_tokenizer(tokenizer_path(), None).await;
+    let base = router.url();
+    let model = model_of(&workers(&base).await);
+    assert_eq!(model["tokenizer"], false, "/workers says so: {model}");
+    assert_eq!(model["chat_template"], false, "{model}");
+    drive(&base).await;
+    let (check, m) = raised_under(&base).await;
+    assert_eq!(check["predicted_cached_tokens"], 0, "{check}");
+    assert!(
+        check["reported_cached_tokens"].as_u64() > Some(0),
+        "the engines found the repeated system prompts: {check}"
+    );
     assert_eq!(
         metric(
             &m,
-            "kvroute_prediction_mismatch{direction=\"under\",model=\"m\"}"
+            "kvroute_untokenized_prompts_total{reason=\"no_tokenizer\"}"
         ),
-        1.0,
+        REQUESTS as f64,
+        "every chat counted as untokenized for want of a tokenizer:\n{m}"
+    );
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenizer_without_a_chat_template_leaves_chats_blind_and_prompts_predicted() {
+    // The shipped tokenizer.json without its tokenizer_config.json: the vocabulary, no template.
+    let dir = dir_with_the_shipped_vocabulary("no-template");
+    let (fleet, router) =
+        start_with_router_tokenizer(tokenizer_path(), Some(dir.join("tokenizer.json"))).await;
+    let base = router.url();
+    let model = model_of(&workers(&base).await);
+    assert_eq!(model["tokenizer"], true, "{model}");
+    assert_eq!(model["chat_template"], false, "/workers says so: {model}");
+    // A text completion is still tokenized (and predicted) by the vocabulary alone.
+    let (status, _, headers) = post_json(
+        &format!("{base}/v1/completions"),
+        &json!({"model": "m", "prompt": system_prompt(0), "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let decision = headers
+        .get("x-kvroute-decision")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        !decision.contains("no_tokens"),
+        "a text prompt is routed on its tokens: {decision}"
+    );
+    drive(&base).await;
+    let (_, m) = raised_under(&base).await;
+    assert_eq!(
+        metric(
+            &m,
+            "kvroute_untokenized_prompts_total{reason=\"no_chat_template\"}"
+        ),
+        REQUESTS as f64,
+        "every chat counted as untokenized for want of a template:\n{m}"
+    );
+    assert_eq!(
+        metric(
+            &m,
+            "kvroute_untokenized_prompts_total{reason=\"no_tokenizer\"}"
+        ),
+        0.0,
         "{m}"
     );
     router.shutdown().await;

@@ -139,8 +139,25 @@ pub(super) async fn list_workers(State(s): State<AppState>) -> Response {
         "siblings": s.router.load_share.siblings(s.router.config.load_share.stale_ms),
         "cold_owners_failing": s.router.cold_owner_standings.lock()
             .view(crate::control::registry::clock_us())});
-    axum::Json(json!({"workers": workers, "prediction_checks": checks, "load_share": load_share}))
-        .into_response()
+    // How the router sees each model's text: without a tokenizer (or a chat template), its text
+    // requests are routed on load alone, which no other field would show.
+    let models: Vec<Value> = s
+        .router
+        .registry
+        .models()
+        .iter()
+        .map(|g| {
+            json!({"model": g.name, "block_size": g.block_size, "workers": g.workers.len(),
+                "tokenizer": g.tokenizer.is_some(),
+                "chat_template": g.tokenizer.as_ref().is_some_and(|t| t.has_chat_template()),
+                "prompt_tokens_max": g.prompt_tokens_max.map(|m| m.tokens)})
+        })
+        .collect();
+    axum::Json(
+        json!({"workers": workers, "models": models, "prediction_checks": checks,
+        "load_share": load_share}),
+    )
+    .into_response()
 }
 
 pub(super) async fn add_worker(State(s): State<AppState>, body: Body) -> Response {

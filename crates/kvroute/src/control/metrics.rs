@@ -24,8 +24,9 @@ pub struct Metrics {
     /// Chat tokenizations by segment outcome: `hit` and `miss` per segment, `whole` per chat
     /// tokenized whole, `head` per chat routed on its head alone (`routing::tokenize`).
     pub tokenizer_cache: IntCounterVec,
-    /// Text prompts (and chats) the router routed on load without tokenizing, by reason:
-    /// `text_too_long` (past `--tokenize-text-bytes-max`).
+    /// Text prompts (and chats) the router routed on load without tokenizing, by reason
+    /// (`routing::tokenize::Untokenized`): `no_tokenizer`, `no_chat_template`, `text_too_long`
+    /// (past `--tokenize-text-bytes-max`), `tokenize_failed`.
     pub untokenized_prompts: IntCounterVec,
     pub data_plane_connections: IntCounterVec,
     /// Client connections open on the public listener (what `--client-connections-max` caps).

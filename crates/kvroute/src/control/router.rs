@@ -190,7 +190,19 @@ impl Router {
             None => None,
         };
         let block_size = info.block_size.unwrap_or(FALLBACK_BLOCK_SIZE_TOKENS);
-        if let Some(group) = self.registry.model(&model)
+        let existing_group = self.registry.model(&model);
+        if existing_group.is_none() && self.policy.kind == PolicyKind::CacheAware {
+            // Said once per model, when its group is made: the group keeps this tokenizer for
+            // its life, and every text request of the model is routed blind without one.
+            match &tokenizer {
+                None => tracing::warn!(%model,
+                    "no tokenizer for this model (--tokenizer-path, --model-tokenizer): its text prompts and chats are routed on load alone, blind to the engines' caches (token-id requests stay cache-aware); /workers and kvroute_untokenized_prompts_total{{reason=\"no_tokenizer\"}} show it"),
+                Some(t) if !t.has_chat_template() => tracing::warn!(%model,
+                    "this model's tokenizer has no chat template (tokenizer_config.json's chat_template): its chats are routed on load alone, blind to the engines' caches"),
+                Some(_) => {}
+            }
+        }
+        if let Some(group) = existing_group
             && group.block_size != block_size
         {
             tracing::warn!(%model, group = group.block_size, worker = block_size, url = %spec.url,

@@ -155,13 +155,25 @@ impl PredictionProbe {
                     .prediction_mismatch
                     .with_label_values(&[model, direction.label()])
                     .set(1);
+                // A cause the router knows of itself is named instead of the list of guesses.
+                let cause = match &self.model.tokenizer {
+                    None => {
+                        "kvroute has no tokenizer for this model, so it routes every text prompt and chat on load alone and predicts no cached tokens for them while the engines find some; give --tokenizer-path or --model-tokenizer MODEL=PATH (the engines' tokenizer.json)"
+                    }
+                    Some(t) if !t.has_chat_template() => {
+                        "kvroute's tokenizer for this model has no chat template, so it routes every chat on load alone and predicts no cached tokens for them while the engines find some; give a tokenizer.json whose tokenizer_config.json carries the engines' chat_template"
+                    }
+                    Some(_) => {
+                        "the router's token ids for these prompts likely differ from the engines' (another tokenizer or chat template, a BOS token added on one side only, a LoRA adapter or cache salt the engine keys its cache by, or another block size), or this replica's index lacks what the engines cached before it subscribed (a replica started without peer bootstrap only sees blocks stored after it); check --tokenizer-path / --model-tokenizer against the engines' models, and the bootstrap outcomes on /workers"
+                    }
+                };
                 tracing::warn!(
                     model = %model,
                     direction = direction.label(),
                     predicted_cached_tokens = predicted,
                     reported_cached_tokens = reported,
                     window_requests = self.router.config.prediction_check.window_requests,
-                    "the engines' reported cached tokens disagree with kvroute's predictions: the router's token ids for these prompts likely differ from the engines' (another tokenizer or chat template, a BOS token added on one side only, a LoRA adapter or cache salt the engine keys its cache by, or another block size), or this replica's index lacks what the engines cached before it subscribed (a replica started without peer bootstrap only sees blocks stored after it); check --tokenizer-path / --model-tokenizer against the engines' models, and the bootstrap outcomes on /workers"
+                    "the engines' reported cached tokens disagree with kvroute's predictions: {cause}"
                 );
             }
             Some(CheckTransition::Cleared {
@@ -329,6 +341,8 @@ pub struct Forward<'a> {
     pub plan: &'a RoutePlan,
     /// The calling data-plane thread's own pool (see [`crate::data_plane`]).
     pub upstream: &'a kvroute_http1::client::UpstreamClient,
+    /// Why the request's text was routed without its tokens, if it was.
+    pub untokenized: Option<crate::routing::tokenize::Untokenized>,
 }
 
 fn upstream_body(fwd: &Forward<'_>, worker: &Worker, dp_rank: u32) -> Result<Bytes, ApiError> {
@@ -505,8 +519,13 @@ pub async fn forward(router: &Arc<Router>, fwd: Forward<'_>) -> Result<Routed, A
                     .decision_header
                     .then(|| plan.header_value(router.policy.kind.as_str(), idx));
                 // Only answers to indexed (cache_aware) plans carry a prediction worth checking,
-                // and only successful ones report a count.
-                let probe = (plan.indexed
+                // and only successful ones report a count. A cache_aware router that cannot
+                // tokenize any text of the model (no tokenizer, no chat template) predicts no
+                // cached tokens for it: checked too, since the engines' reports are then the only
+                // sign of the hits it is routing away from.
+                let blind_to_text = fwd.untokenized.is_some_and(|u| u.is_configuration())
+                    && router.policy.kind == crate::routing::policy::PolicyKind::CacheAware;
+                let probe = ((plan.indexed || blind_to_text)
                     && status == 200
                     && router.config.prediction_check.window_requests > 0)
                     .then(|| {

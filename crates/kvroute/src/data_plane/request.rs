@@ -18,7 +18,7 @@ use crate::control::registry::ModelGroup;
 use crate::control::router::Router;
 use crate::data_plane::forward::{self, Endpoint, Forward};
 use crate::error::ApiError;
-use crate::routing::tokenize::ModelTokenizer;
+use crate::routing::tokenize::{ModelTokenizer, Untokenized};
 use kvroute_http1::client::UpstreamClient;
 
 /// Bodies up to this size are prepared (parsed, tokenized) on the async worker; larger ones on
@@ -81,6 +81,7 @@ pub async fn route_request(
         head_completion,
         body,
         rewritten,
+        untokenized,
     } = prepared;
     let mut plan = router.plan_sized(group, &tokens, prompt_tokens)?;
     if let Some(deferral) = &plan.cold_deferral {
@@ -122,6 +123,7 @@ pub async fn route_request(
             request_id,
             plan: &plan,
             upstream,
+            untokenized,
         },
     )
     .await
@@ -150,6 +152,8 @@ pub struct Prepared {
     pub body: Option<Map<String, Value>>,
     /// True when `body` differs from the client's bytes (text replaced by token ids).
     pub rewritten: bool,
+    /// Set when a text prompt or chat is routed on load without its tokens, and why.
+    pub untokenized: Option<Untokenized>,
 }
 
 /// A chat routed on its head, whose rest is to be tokenized aside
@@ -215,7 +219,7 @@ fn check_prompt_length(group: &ModelGroup, tokens: &[u32]) -> Result<(), ApiErro
 
 /// Whether the router tokenizes a prompt text of `text_bytes` bytes: `Ok(true)` to tokenize,
 /// `Ok(false)` to route it on load and forward it untouched (past
-/// `--tokenize-text-bytes-max`), or the refusal when its length alone proves it longer than the
+/// `--tokenize-text-bytes-max`: [`Untokenized::TextTooLong`]), or the refusal when its length alone proves it longer than the
 /// model's limit (see [`crate::routing::text_bound`]), which spares tokenizing it at all.
 fn admit_text(
     router: &Router,
@@ -240,18 +244,9 @@ fn admit_text(
     Ok(within_tokenize_cap(router, text_bytes))
 }
 
-/// True when text of `text_bytes` bytes is within `--tokenize-text-bytes-max`; counts the ones
-/// that are not.
+/// True when text of `text_bytes` bytes is within `--tokenize-text-bytes-max`.
 fn within_tokenize_cap(router: &Router, text_bytes: usize) -> bool {
-    if text_bytes <= router.config.tokenize_text_bytes_max {
-        return true;
-    }
-    router
-        .metrics
-        .untokenized_prompts
-        .with_label_values(&["text_too_long"])
-        .inc();
-    false
+    text_bytes <= router.config.tokenize_text_bytes_max
 }
 
 /// Runs one tokenization and records its time in `kvroute_tokenize_seconds{kind}`.
@@ -286,6 +281,7 @@ fn prepare_unchecked(
             tokens,
             body: None,
             rewritten: false,
+            untokenized: None,
         });
     }
     let value: Value =
@@ -303,6 +299,7 @@ fn prepare_unchecked(
     let mut rewritten = false;
     let mut head_prompt_tokens = None;
     let mut head_completion = None;
+    let mut untokenized = None;
     let tokens = match endpoint {
         Endpoint::Generate => match (body.get("input_ids"), body.get("text")) {
             (Some(ids), _) if !ids.is_null() => match token_array(ids) {
@@ -317,6 +314,10 @@ fn prepare_unchecked(
                 None => return Err(bad("'input_ids' must be an array of token ids (u32)")),
             },
             (_, Some(Value::String(text))) => match &tok {
+                None => {
+                    untokenized = Some(Untokenized::NoTokenizer);
+                    Vec::new()
+                }
                 Some(t) if admit_text(router, &group, t, text.len())? => {
                     let ids = timed_tokenize(router, "prompt", || t.encode_prompt(text))
                         .map_err(|e| bad(e.to_string()))?;
@@ -328,7 +329,10 @@ fn prepare_unchecked(
                     );
                     ids
                 }
-                _ => Vec::new(),
+                Some(_) => {
+                    untokenized = Some(Untokenized::TextTooLong);
+                    Vec::new()
+                }
             },
             (_, Some(Value::Array(_))) => Vec::new(),
             (_, Some(_)) => return Err(bad("'text' must be a string or an array of strings")),
@@ -337,6 +341,10 @@ fn prepare_unchecked(
         Endpoint::Completions => match body.get("prompt") {
             None | Some(Value::Null) => return Err(missing("prompt", "'prompt' is required")),
             Some(Value::String(text)) => match &tok {
+                None => {
+                    untokenized = Some(Untokenized::NoTokenizer);
+                    Vec::new()
+                }
                 Some(t) if admit_text(router, &group, t, text.len())? => {
                     let ids = timed_tokenize(router, "prompt", || t.encode_prompt(text))
                         .map_err(|e| bad(e.to_string()))?;
@@ -347,7 +355,10 @@ fn prepare_unchecked(
                     );
                     ids
                 }
-                _ => Vec::new(),
+                Some(_) => {
+                    untokenized = Some(Untokenized::TextTooLong);
+                    Vec::new()
+                }
             },
             Some(p @ Value::Array(items)) => match token_array(p) {
                 Some(t) => t,
@@ -369,10 +380,22 @@ fn prepare_unchecked(
                 Some(_) => return Err(bad("'messages' must be an array")),
             };
             match &tok {
+                None => {
+                    untokenized = Some(Untokenized::NoTokenizer);
+                    Vec::new()
+                }
+                Some(t) if !t.has_chat_template() => {
+                    untokenized = Some(Untokenized::NoChatTemplate);
+                    Vec::new()
+                }
                 // A template may drop content, so a chat's text length proves no token count;
                 // only the tokenizing cap applies, measured on the whole body (which holds all
                 // the template can render).
-                Some(t) if t.has_chat_template() && within_tokenize_cap(router, bytes.len()) => {
+                Some(_) if !within_tokenize_cap(router, bytes.len()) => {
+                    untokenized = Some(Untokenized::TextTooLong);
+                    Vec::new()
+                }
+                Some(t) => {
                     use crate::routing::tokenize::ChatTokenization;
                     let normalized = crate::routing::tokenize::normalize_messages(messages);
                     let mut encoded =
@@ -433,14 +456,21 @@ fn prepare_unchecked(
                         }
                         Err(e) => {
                             tracing::debug!(error = %e, "chat not tokenized; routing on load");
+                            untokenized = Some(Untokenized::TokenizeFailed);
                             Vec::new()
                         }
                     }
                 }
-                _ => Vec::new(),
             }
         }
     };
+    if let Some(reason) = untokenized {
+        router
+            .metrics
+            .untokenized_prompts
+            .with_label_values(&[reason.label()])
+            .inc();
+    }
     Ok(Prepared {
         rewritten,
         group,
@@ -448,6 +478,7 @@ fn prepare_unchecked(
         head_completion,
         tokens,
         body: Some(body),
+        untokenized,
     })
 }
 

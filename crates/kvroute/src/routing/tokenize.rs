@@ -791,6 +791,40 @@ impl TokenizerSet {
     }
 }
 
+/// Why a text prompt or chat is routed on load without its tokens: the `reason` label of
+/// `kvroute_untokenized_prompts_total`. The first two are the router's configuration, not the
+/// request: every text request of that model is then routed blind to the engines' caches, which
+/// is the silent hit-rate loss operators most need told about (see [`Untokenized::is_configuration`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Untokenized {
+    /// The model has no tokenizer (`--tokenizer-path`, `--model-tokenizer`).
+    NoTokenizer,
+    /// A chat for a model whose tokenizer has no chat template.
+    NoChatTemplate,
+    /// Text past `--tokenize-text-bytes-max`.
+    TextTooLong,
+    /// The tokenizer or the chat template failed on this request.
+    TokenizeFailed,
+}
+
+impl Untokenized {
+    pub fn label(self) -> &'static str {
+        match self {
+            Untokenized::NoTokenizer => "no_tokenizer",
+            Untokenized::NoChatTemplate => "no_chat_template",
+            Untokenized::TextTooLong => "text_too_long",
+            Untokenized::TokenizeFailed => "tokenize_failed",
+        }
+    }
+
+    /// True when every request of this kind for the model is untokenized, whatever its content:
+    /// the router then predicts no cached tokens for any of them, and its prediction check is
+    /// what shows the engines finding hits it cannot see.
+    pub fn is_configuration(self) -> bool {
+        matches!(self, Untokenized::NoTokenizer | Untokenized::NoChatTemplate)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
