@@ -175,6 +175,11 @@ pub enum Rejection {
     Cold,
     #[error("the snapshot says nothing about any rank this replica serves")]
     CoversNothing,
+    /// Not a body at all: the peer answered 401 or 403 to this replica's internal token.
+    #[error(
+        "the peer refused this replica's internal token (HTTP {status}): every replica needs the same --internal-auth-token-file"
+    )]
+    TokenRefused { status: u16 },
 }
 
 impl Rejection {
@@ -183,7 +188,8 @@ impl Rejection {
     /// answer. Transient: the peer may have something later, or the body was cut short.
     ///
     /// A body over our decode limit is permanent: the peer's index is bigger than this replica
-    /// accepts, and re-downloading it every sit-out would load the peer for nothing.
+    /// accepts, and re-downloading it every sit-out would load the peer for nothing. So is a
+    /// refused token: both replicas read theirs once at start-up.
     pub fn is_permanent(&self) -> bool {
         match self {
             Rejection::UnexpectedMedia { .. }
@@ -197,7 +203,8 @@ impl Rejection {
             | Rejection::HashScheme { .. }
             | Rejection::BlockSize { .. }
             | Rejection::Structure(_)
-            | Rejection::NegativeCursor { .. } => true,
+            | Rejection::NegativeCursor { .. }
+            | Rejection::TokenRefused { .. } => true,
             Rejection::Damaged(_)
             | Rejection::NotReady
             | Rejection::Cold
@@ -224,6 +231,7 @@ impl Rejection {
             Rejection::NotReady => "not_ready",
             Rejection::Cold => "cold",
             Rejection::CoversNothing => "covers_nothing",
+            Rejection::TokenRefused { .. } => "token_refused",
         }
     }
 }

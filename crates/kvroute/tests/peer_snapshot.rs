@@ -994,6 +994,20 @@ async fn wait_bootstrap_settled(base: &str, ranks: usize) -> Vec<String> {
     .await
 }
 
+/// The search ended fleet-cold (its metrics text is `text`) and did not hold `/readyz`.
+async fn assert_ended_fleet_cold_and_ready(router: &RouterHandle, text: &str) {
+    assert!(
+        text.contains("kvroute_bootstrap_sweeps_total{verdict=\"fleet_cold\"}"),
+        "{text}"
+    );
+    let ready = client()
+        .get(format!("{}/readyz", router.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200, "fleet cold never holds readiness");
+}
+
 fn static_peers(urls: &[String]) -> Option<kvroute_discovery::PeerSourceConfig> {
     Some(kvroute_discovery::PeerSourceConfig::Static(
         kvroute_discovery::StaticPeers {
@@ -1055,17 +1069,45 @@ async fn a_peer_without_the_endpoint_is_cold_and_never_holds_readiness() {
         text.contains("kvroute_bootstrap_snapshot_fetches_total{result=\"no_snapshot\"}"),
         "{text}"
     );
-    assert!(
-        text.contains("kvroute_bootstrap_sweeps_total{verdict=\"fleet_cold\"}"),
-        "{text}"
-    );
-    let ready = client()
-        .get(format!("{}/readyz", b.url()))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(ready.status(), 200, "fleet cold never holds readiness");
+    assert_ended_fleet_cold_and_ready(&b, &text).await;
     b.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// A sibling that refuses this replica's internal token (replicas started with different
+/// `--internal-auth-token-file`s) refuses it on every ask: it is asked once, rejected for the
+/// boot, and the search ends fleet-cold at once instead of holding `/readyz` for the whole
+/// bootstrap timeout (60 s by default, past this test's 30 s wait).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sibling_that_refuses_our_token_is_asked_once_and_never_holds_readiness() {
+    let (fleet, a, _) = warm_router(1, 2, 10, |c| {
+        c.internal_auth_token = Some(Arc::from(TOKEN));
+    })
+    .await;
+    let b = kvroute::serve(RouterConfig {
+        internal_auth_token: Some(Arc::from(&b"another-internal-token-0123456789"[..])),
+        peer_source: static_peers(&[a.internal_url()]),
+        ..router_config(&urls(&fleet))
+    })
+    .await
+    .unwrap();
+    let outcomes = wait_bootstrap_settled(&b.url(), 2).await;
+    assert!(
+        outcomes.iter().all(|o| o != "warm"),
+        "nothing was grafted: {outcomes:?}"
+    );
+    let text = metrics_text(&b.url()).await;
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_bootstrap_snapshot_fetches_total{result=\"rejected\"}"
+        ),
+        1.0,
+        "asked once, rejected for the boot:\n{text}"
+    );
+    assert_ended_fleet_cold_and_ready(&b, &text).await;
+    b.shutdown().await;
+    a.shutdown().await;
     fleet.shutdown().await;
 }
 

@@ -593,6 +593,17 @@ impl Task {
             .fetches
             .with_label_values(&[fetch_result_label(&result)])
             .inc();
+        // Said once per sibling: the sweep never asks a permanently rejected sibling again this
+        // boot, and the reason (another build, key or token) is the operator's to fix.
+        if let FetchResult::Body {
+            vetted: Err(rejection),
+            ..
+        } = &result
+            && rejection.is_permanent()
+        {
+            tracing::warn!(%model, sibling = order.peer.as_str(), reason = %rejection,
+                "sibling's snapshot refused for this boot");
+        }
         let (peers, synced, ever_had_peers) = self.view_parts();
         let view = PeerView {
             peers: &peers,
@@ -741,6 +752,13 @@ impl Task {
                 StreamedAnswer::Busy => FetchResult::Busy,
                 StreamedAnswer::TooLarge { limit_bytes } => FetchResult::Body {
                     vetted: Err(Rejection::TooLarge { limit_bytes }),
+                    stamp: ExportStamp {
+                        received_ms,
+                        age_ms: None,
+                    },
+                },
+                StreamedAnswer::TokenRefused { status } => FetchResult::Body {
+                    vetted: Err(Rejection::TokenRefused { status }),
                     stamp: ExportStamp {
                         received_ms,
                         age_ms: None,

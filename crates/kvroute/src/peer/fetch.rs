@@ -123,6 +123,7 @@ struct RawBody {
 enum NotServed {
     NoSnapshot,
     Busy,
+    TokenRefused(u16),
     Unreachable(String),
 }
 
@@ -151,6 +152,9 @@ pub enum StreamedAnswer<T> {
     NoSnapshot,
     /// The sibling is warm but refused for now: 503 `busy` or 429.
     Busy,
+    /// 401 or 403: the sibling refused this replica's internal token. It will refuse it on
+    /// every ask, since both replicas read their tokens once at start-up.
+    TokenRefused { status: u16 },
     /// The body passed the byte limit on the wire (Content-Length or counted chunks).
     TooLarge { limit_bytes: usize },
     /// Connect failure, timeout, broken body, any other status, or a consumer that panicked.
@@ -315,6 +319,7 @@ impl PeerFetcher {
             200 => Ok((url, resp)),
             404 => Err(NotServed::NoSnapshot),
             429 => Err(NotServed::Busy),
+            status @ (401 | 403) => Err(NotServed::TokenRefused(status)),
             503 => Err(match refusal_code(resp).await.as_deref() {
                 Some("index_not_ready") => NotServed::NoSnapshot,
                 Some("busy") => NotServed::Busy,
@@ -351,6 +356,9 @@ impl PeerFetcher {
             Ok(ok) => ok,
             Err(NotServed::NoSnapshot) => return StreamedAnswer::NoSnapshot,
             Err(NotServed::Busy) => return StreamedAnswer::Busy,
+            Err(NotServed::TokenRefused(status)) => {
+                return StreamedAnswer::TokenRefused { status };
+            }
             Err(NotServed::Unreachable(reason)) => return StreamedAnswer::Unreachable(reason),
         };
         let max_bytes = self.cfg.max_bytes;

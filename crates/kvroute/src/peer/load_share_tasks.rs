@@ -175,6 +175,9 @@ async fn supervise(router: Arc<Router>) {
 async fn follow(router: Arc<Router>, peer: PeerUrl, stop: CancellationToken) {
     let share = &router.load_share;
     let mut backoff_ms = LOAD_SHARE_RECONNECT_BACKOFF_MIN_MS;
+    // A refused token is a misconfiguration, not a passing fault: said once at warn, not at
+    // every reconnect.
+    let mut token_refusal_told = false;
     while !stop.is_cancelled() {
         let outcome = tokio::select! {
             _ = stop.cancelled() => break,
@@ -185,6 +188,14 @@ async fn follow(router: Arc<Router>, peer: PeerUrl, stop: CancellationToken) {
         }
         match outcome {
             StreamEnd::AfterFrames => backoff_ms = LOAD_SHARE_RECONNECT_BACKOFF_MIN_MS,
+            StreamEnd::TokenRefused(status) => {
+                if !token_refusal_told {
+                    tracing::warn!(sibling = %peer, status,
+                        "the sibling refused this replica's internal token: the two share no load bookings, and neither can bootstrap from the other; every replica needs the same --internal-auth-token-file");
+                    token_refusal_told = true;
+                }
+                backoff_ms = LOAD_SHARE_RECONNECT_BACKOFF_MAX_MS;
+            }
             StreamEnd::Failed(reason) => {
                 tracing::debug!(sibling = %peer, %reason, "load-bookings stream failed; reconnecting");
                 backoff_ms = (backoff_ms * 2).min(LOAD_SHARE_RECONNECT_BACKOFF_MAX_MS);
@@ -204,6 +215,8 @@ enum StreamEnd {
     AfterFrames,
     /// It could not be opened or broke before its first frame, or a frame was refused.
     Failed(String),
+    /// 401 or 403: the sibling refused this replica's internal token.
+    TokenRefused(u16),
 }
 
 async fn read_stream(router: &Router, peer: &PeerUrl) -> StreamEnd {
@@ -227,8 +240,10 @@ async fn read_stream(router: &Router, peer: &PeerUrl) -> StreamEnd {
         Ok(Err(e)) => return StreamEnd::Failed(e.to_string()),
         Ok(Ok(r)) => r,
     };
-    if resp.status() != reqwest::StatusCode::OK {
-        return StreamEnd::Failed(format!("HTTP {}", resp.status()));
+    match resp.status().as_u16() {
+        200 => {}
+        status @ (401 | 403) => return StreamEnd::TokenRefused(status),
+        status => return StreamEnd::Failed(format!("HTTP {status}")),
     }
     let mut body = resp.bytes_stream();
     let mut line: Vec<u8> = Vec::new();
