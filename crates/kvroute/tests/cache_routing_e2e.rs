@@ -174,6 +174,69 @@ async fn a_worker_registered_while_down_gets_its_kv_events_once_it_answers() {
     fleet.shutdown().await;
 }
 
+/// A worker whose model must be read from its engine cannot register while the engine is down:
+/// until it does, `/workers` lists it under `registering` with its last error, and `/readyz`
+/// names it, instead of both showing an empty fleet; once the engine answers it registers and
+/// leaves the list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_cannot_register_yet_is_listed_with_its_error_until_it_registers() {
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let router = kvroute::serve(router_config(std::slice::from_ref(&url)))
+        .await
+        .unwrap();
+    let base = router.url();
+    let retrying = wait_until(
+        "the unreachable worker listed under registering",
+        WAIT_DEADLINE,
+        || async {
+            let w = workers(&base).await;
+            match w["registering"].as_array() {
+                Some(r) if r.len() == 1 && r[0]["failed_attempts"].as_u64() >= Some(1) => {
+                    Ok(r[0].clone())
+                }
+                _ => Err(w.to_string()),
+            }
+        },
+    )
+    .await;
+    assert_eq!(retrying["url"], url.as_str(), "{retrying}");
+    assert!(
+        retrying["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("server_info")),
+        "the error says what failed: {retrying}"
+    );
+    let ready = client().get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    let reason = ready.text().await.unwrap();
+    assert!(reason.contains(&url), "/readyz names the worker: {reason}");
+    let fleet = kvroute_sim::start_fleet(kvroute_sim::SimConfig {
+        port,
+        served_model_name: "m".into(),
+        ..kvroute_sim::SimConfig::for_tests()
+    })
+    .await
+    .unwrap();
+    wait_until(
+        "the worker registered and gone from registering",
+        WAIT_DEADLINE,
+        || async {
+            let w = workers(&base).await;
+            if w["workers"].as_array().map(Vec::len) == Some(1)
+                && w["registering"].as_array().is_some_and(Vec::is_empty)
+            {
+                Ok(())
+            } else {
+                Err(w.to_string())
+            }
+        },
+    )
+    .await;
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -153,10 +153,9 @@ pub(super) async fn list_workers(State(s): State<AppState>) -> Response {
                 "prompt_tokens_max": g.prompt_tokens_max.map(|m| m.tokens)})
         })
         .collect();
-    axum::Json(
-        json!({"workers": workers, "models": models, "prediction_checks": checks,
-        "load_share": load_share}),
-    )
+    axum::Json(json!({"workers": workers, "models": models,
+        "registering": s.router.registrations_retrying.list(),
+        "prediction_checks": checks, "load_share": load_share}))
     .into_response()
 }
 

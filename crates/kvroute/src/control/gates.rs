@@ -18,10 +18,19 @@ impl ReadinessGate for HealthyWorkerGate {
     }
     fn check(&self) -> Result<(), String> {
         match self.0.registry.healthy_count() {
-            0 => Err(format!(
-                "0 of {} registered workers are healthy",
-                self.0.registry.workers().len()
-            )),
+            0 => {
+                let registered = self.0.registry.workers().len();
+                let retrying = self.0.registrations_retrying.list();
+                Err(match retrying.first() {
+                    None => format!("0 of {registered} registered workers are healthy"),
+                    Some(first) => format!(
+                        "0 of {registered} registered workers are healthy; {} more failed to register and are retried (/workers), {}: {}",
+                        retrying.len(),
+                        first.url,
+                        first.last_error
+                    ),
+                })
+            }
             _ => Ok(()),
         }
     }

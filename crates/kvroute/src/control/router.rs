@@ -24,6 +24,79 @@ use crate::routing::tokenize::TokenizerSet;
 pub const FALLBACK_BLOCK_SIZE_TOKENS: usize = 16;
 /// Longest wait between registration attempts of a start-up worker that is not up yet.
 pub const REGISTER_RETRY_MAX_MS: u64 = 5_000;
+/// Longest registration error kept for `/workers` (an error can quote an engine's answer).
+pub const REGISTER_ERROR_BYTES_MAX: usize = 512;
+
+/// Workers whose registration is being retried: an engine not up yet, a wrong URL, a model its
+/// engine does not name. Until one registers it is in no model group, so without this it would
+/// show only in the logs: `/workers` lists these under `registering`, and the `healthy_worker`
+/// gate names the first. One entry per configured or discovered URL, removed when its retry
+/// loop ends (registered, already registered, or stopped), so the map is bounded by the worker
+/// list.
+#[derive(Default)]
+pub struct RegistrationsRetrying {
+    by_url: parking_lot::Mutex<std::collections::BTreeMap<String, RetryingRegistration>>,
+}
+
+/// One worker whose registration failed and is retried.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RetryingRegistration {
+    pub url: String,
+    pub failed_attempts: u32,
+    pub last_error: String,
+}
+
+impl RegistrationsRetrying {
+    /// Records a failed attempt of `url`'s registration.
+    fn failed(&self, url: &str, error: &str) {
+        let mut by_url = self.by_url.lock();
+        let entry = by_url
+            .entry(url.to_string())
+            .or_insert_with(|| RetryingRegistration {
+                url: url.to_string(),
+                failed_attempts: 0,
+                last_error: String::new(),
+            });
+        entry.failed_attempts = entry.failed_attempts.saturating_add(1);
+        let mut cut = error.len().min(REGISTER_ERROR_BYTES_MAX);
+        while !error.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        entry.last_error = error[..cut].to_string();
+    }
+
+    fn ended(&self, url: &str) {
+        self.by_url.lock().remove(url);
+    }
+
+    /// The workers being retried, by URL.
+    pub fn list(&self) -> Vec<RetryingRegistration> {
+        self.by_url.lock().values().cloned().collect()
+    }
+}
+
+/// Held by a registration's retry loop: its `/workers` entry goes when the loop does, whether
+/// it returned or its task was dropped.
+pub struct RetryLoopEntry<'a> {
+    retrying: &'a RegistrationsRetrying,
+    url: &'a str,
+}
+
+impl<'a> RetryLoopEntry<'a> {
+    pub fn new(retrying: &'a RegistrationsRetrying, url: &'a str) -> Self {
+        RetryLoopEntry { retrying, url }
+    }
+
+    pub fn failed(&self, error: &str) {
+        self.retrying.failed(self.url, error);
+    }
+}
+
+impl Drop for RetryLoopEntry<'_> {
+    fn drop(&mut self) {
+        self.retrying.ended(self.url);
+    }
+}
 
 pub struct Router {
     pub config: RouterConfig,
@@ -65,6 +138,8 @@ pub struct Router {
     /// Siblings whose placement asks failed lately (`crate::peer::owner_standings`); written
     /// by the requests that asked, read when a cold prompt's owner is named.
     pub cold_owner_standings: parking_lot::Mutex<crate::peer::owner_standings::OwnerStandings>,
+    /// Workers whose registration failed and is being retried.
+    pub registrations_retrying: RegistrationsRetrying,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -125,6 +200,7 @@ impl Router {
             self_peer: std::sync::OnceLock::new(),
             cold_placement_lock: parking_lot::Mutex::new(()),
             cold_owner_standings: Default::default(),
+            registrations_retrying: Default::default(),
             prepare_budget: Arc::new(tokio::sync::Semaphore::new(
                 crate::config::PREPARE_BUDGETS_IN_FLIGHT
                     .saturating_mul(config.tokenize_text_bytes_max)
@@ -292,11 +368,13 @@ impl Router {
         let router = self.clone();
         tokio::spawn(async move {
             let mut wait_ms = 200;
+            let entry = RetryLoopEntry::new(&router.registrations_retrying, &spec.url);
             loop {
                 match router.register(&spec).await {
                     Ok(_) => return,
                     Err(RegisterError::Registry(_)) => return,
                     Err(e) => {
+                        entry.failed(&e.to_string());
                         tracing::warn!(url = %spec.url, error = %e, "worker registration failed; retrying")
                     }
                 }

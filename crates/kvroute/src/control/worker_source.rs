@@ -363,6 +363,8 @@ async fn register_until_done(
     mut first: FirstAttempt,
 ) {
     let mut wait_ms = REGISTER_RETRY_START_MS;
+    let entry =
+        crate::control::router::RetryLoopEntry::new(&router.registrations_retrying, &spec.url);
     loop {
         let result = router.register(&spec).await;
         first.done();
@@ -373,6 +375,7 @@ async fn register_until_done(
                 return;
             }
             Err(e) => {
+                entry.failed(&e.to_string());
                 tracing::warn!(url = %spec.url, error = %e, retry_ms = wait_ms,
                     "discovered worker cannot be registered yet; retrying")
             }
