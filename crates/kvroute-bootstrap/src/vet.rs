@@ -175,11 +175,10 @@ pub enum Rejection {
     Cold,
     #[error("the snapshot says nothing about any rank this replica serves")]
     CoversNothing,
-    /// Not a body at all: the peer answered 401 or 403 to this replica's internal token.
-    #[error(
-        "the peer refused this replica's internal token (HTTP {status}): every replica needs the same --internal-auth-token-file"
-    )]
-    TokenRefused { status: u16 },
+    /// Not a body at all: the peer was misaddressed (it refused this replica's token, or the URL
+    /// is a replica's public listener); `reason` says which and what to fix.
+    #[error("{reason}")]
+    Misdirected { reason: String },
 }
 
 impl Rejection {
@@ -189,7 +188,7 @@ impl Rejection {
     ///
     /// A body over our decode limit is permanent: the peer's index is bigger than this replica
     /// accepts, and re-downloading it every sit-out would load the peer for nothing. So is a
-    /// refused token: both replicas read theirs once at start-up.
+    /// misaddressed peer: both replicas read their tokens and ports once, at start-up.
     pub fn is_permanent(&self) -> bool {
         match self {
             Rejection::UnexpectedMedia { .. }
@@ -204,7 +203,7 @@ impl Rejection {
             | Rejection::BlockSize { .. }
             | Rejection::Structure(_)
             | Rejection::NegativeCursor { .. }
-            | Rejection::TokenRefused { .. } => true,
+            | Rejection::Misdirected { .. } => true,
             Rejection::Damaged(_)
             | Rejection::NotReady
             | Rejection::Cold
@@ -231,7 +230,7 @@ impl Rejection {
             Rejection::NotReady => "not_ready",
             Rejection::Cold => "cold",
             Rejection::CoversNothing => "covers_nothing",
-            Rejection::TokenRefused { .. } => "token_refused",
+            Rejection::Misdirected { .. } => "misdirected",
         }
     }
 }

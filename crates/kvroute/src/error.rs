@@ -45,6 +45,12 @@ pub enum ApiError {
     PrepareBusy,
     #[error("the {what} did not arrive within {limit_ms} ms")]
     RequestTimeout { what: &'static str, limit_ms: u64 },
+    #[error(
+        "no such route; the API serves POST /v1/completions, /v1/chat/completions and /generate"
+    )]
+    UnknownRoute,
+    #[error("this route does not accept that method")]
+    MethodNotAllowed,
     #[error("model '{0}' not found")]
     UnknownModel(String),
     #[error("worker {0} not found")]
@@ -75,7 +81,10 @@ impl ApiError {
                 StatusCode::BAD_REQUEST
             }
             ApiError::PrepareBusy => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::UnknownModel(_) | ApiError::UnknownWorker(_) => StatusCode::NOT_FOUND,
+            ApiError::UnknownRoute | ApiError::UnknownModel(_) | ApiError::UnknownWorker(_) => {
+                StatusCode::NOT_FOUND
+            }
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
@@ -96,6 +105,8 @@ impl ApiError {
                 ("invalid_request_error", "context_length_exceeded")
             }
             ApiError::PrepareBusy => ("service_unavailable", "router_busy"),
+            ApiError::UnknownRoute => ("invalid_request_error", "unknown_route"),
+            ApiError::MethodNotAllowed => ("invalid_request_error", "method_not_allowed"),
             ApiError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
             ApiError::UnknownWorker(_) => ("invalid_request_error", "worker_not_found"),
             ApiError::Conflict(_) => ("invalid_request_error", "conflict"),

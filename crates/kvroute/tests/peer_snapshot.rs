@@ -1074,29 +1074,53 @@ async fn a_peer_without_the_endpoint_is_cold_and_never_holds_readiness() {
     fleet.shutdown().await;
 }
 
-/// A sibling that refuses this replica's internal token (replicas started with different
-/// `--internal-auth-token-file`s) refuses it on every ask: it is asked once, rejected for the
-/// boot, and the search ends fleet-cold at once instead of holding `/readyz` for the whole
-/// bootstrap timeout (60 s by default, past this test's 30 s wait).
+/// A misaddressed sibling answers the same on every ask: here one that refuses this replica's
+/// internal token (replicas started with different `--internal-auth-token-file`s), and below a
+/// sibling named by its PUBLIC port. Either is asked once, rejected for the boot, and the search
+/// ends fleet-cold at once instead of holding `/readyz` for the whole bootstrap timeout (60 s by
+/// default, past this test's 30 s wait).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sibling_that_refuses_our_token_is_asked_once_and_never_holds_readiness() {
-    let (fleet, a, _) = warm_router(1, 2, 10, |c| {
-        c.internal_auth_token = Some(Arc::from(TOKEN));
-    })
+    misdirected_sibling_case(
+        |a| a.internal_auth_token = Some(Arc::from(TOKEN)),
+        |a, b| {
+            b.internal_auth_token = Some(Arc::from(&b"another-internal-token-0123456789"[..]));
+            b.peer_source = static_peers(&[a.internal_url()]);
+        },
+    )
     .await;
-    let b = kvroute::serve(RouterConfig {
-        internal_auth_token: Some(Arc::from(&b"another-internal-token-0123456789"[..])),
-        peer_source: static_peers(&[a.internal_url()]),
-        ..router_config(&urls(&fleet))
-    })
-    .await
-    .unwrap();
-    let outcomes = wait_bootstrap_settled(&b.url(), 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sibling_named_by_its_public_port_is_asked_once_and_never_holds_readiness() {
+    misdirected_sibling_case(|_| {}, |a, b| b.peer_source = static_peers(&[a.url()])).await;
+}
+
+/// A warm replica A (configured by `configure_a`) and a replica B beside it whose only sibling
+/// is A, misaddressed by `misaddress_b`.
+async fn misdirected_sibling_case(
+    configure_a: impl FnOnce(&mut RouterConfig),
+    misaddress_b: impl FnOnce(&RouterHandle, &mut RouterConfig),
+) {
+    let (fleet, a, _) = warm_router(1, 2, 10, configure_a).await;
+    let mut b_config = router_config(&urls(&fleet));
+    misaddress_b(&a, &mut b_config);
+    let b = kvroute::serve(b_config).await.unwrap();
+    assert_misdirected_sibling_rejected_once(&b).await;
+    b.shutdown().await;
+    a.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// `router`'s only sibling was misaddressed: its two ranks settled without a graft, the sibling
+/// was asked exactly once, and the search ended fleet-cold without holding `/readyz`.
+async fn assert_misdirected_sibling_rejected_once(router: &RouterHandle) {
+    let outcomes = wait_bootstrap_settled(&router.url(), 2).await;
     assert!(
         outcomes.iter().all(|o| o != "warm"),
         "nothing was grafted: {outcomes:?}"
     );
-    let text = metrics_text(&b.url()).await;
+    let text = metrics_text(&router.url()).await;
     assert_eq!(
         metric(
             &text,
@@ -1105,10 +1129,7 @@ async fn a_sibling_that_refuses_our_token_is_asked_once_and_never_holds_readines
         1.0,
         "asked once, rejected for the boot:\n{text}"
     );
-    assert_ended_fleet_cold_and_ready(&b, &text).await;
-    b.shutdown().await;
-    a.shutdown().await;
-    fleet.shutdown().await;
+    assert_ended_fleet_cold_and_ready(router, &text).await;
 }
 
 /// `--kv-bootstrap-seed-required`: a search that timed out over siblings it tried, without a

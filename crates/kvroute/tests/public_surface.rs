@@ -734,3 +734,32 @@ async fn bytes_pipelined_behind_a_pending_request_are_read_only_up_to_their_boun
     router.shutdown().await;
     fleet.shutdown().await;
 }
+
+/// A path the router does not serve is a 404 and a known path with another method a 405, both
+/// in the OpenAI error shape, so a client (or a sibling mistakenly pointed at the public port)
+/// is told "not here" rather than "your request is malformed".
+#[tokio::test]
+async fn an_unknown_route_is_404_and_a_wrong_method_405_in_the_error_shape() {
+    let router = router_with(no_workers()).await;
+    let base = router.url();
+    let http = client();
+    for (method, path, status, code) in [
+        ("GET", "/internal/kv_snapshot", 404, "unknown_route"),
+        ("POST", "/v1/embeddings", 404, "unknown_route"),
+        ("GET", "/v1/completions", 405, "method_not_allowed"),
+        ("DELETE", "/readyz", 405, "method_not_allowed"),
+    ] {
+        let resp = http
+            .request(
+                reqwest::Method::from_bytes(method.as_bytes()).unwrap(),
+                format!("{base}{path}"),
+            )
+            .send()
+            .await
+            .expect("answered");
+        assert_eq!(resp.status().as_u16(), status, "{method} {path}");
+        let body: serde_json::Value = resp.json().await.expect("a JSON error body");
+        assert_eq!(body["error"]["code"], code, "{method} {path}: {body}");
+    }
+    router.shutdown().await;
+}

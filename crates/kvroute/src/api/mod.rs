@@ -76,7 +76,8 @@ pub fn app(router: Arc<Router>, upstream: UpstreamClient) -> AxumRouter {
         .route("/generate", post(generate))
         .route("/healthz", get(|| async { "ok" }))
         .merge(control)
-        .fallback(|| async { ApiError::BadRequest("unknown route".into()).into_response() })
+        .fallback(|| async { ApiError::UnknownRoute.into_response() })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed.into_response() })
         .with_state(state)
         .layer(axum::middleware::from_fn(require_host))
 }

@@ -757,8 +757,10 @@ impl Task {
                         age_ms: None,
                     },
                 },
-                StreamedAnswer::TokenRefused { status } => FetchResult::Body {
-                    vetted: Err(Rejection::TokenRefused { status }),
+                StreamedAnswer::Misdirected(m) => FetchResult::Body {
+                    vetted: Err(Rejection::Misdirected {
+                        reason: m.to_string(),
+                    }),
                     stamp: ExportStamp {
                         received_ms,
                         age_ms: None,

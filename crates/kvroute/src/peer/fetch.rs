@@ -123,9 +123,43 @@ struct RawBody {
 enum NotServed {
     NoSnapshot,
     Busy,
-    TokenRefused(u16),
+    Misdirected(Misdirected),
     Unreachable(String),
 }
+
+/// A sibling's answer that says the request was misaddressed, a configuration fault that asking
+/// again cannot mend (both replicas read their tokens and ports once, at start-up).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Misdirected {
+    /// 401 or 403: the sibling refused this replica's internal token.
+    #[error(
+        "the sibling refused this replica's internal token (HTTP {status}): every replica needs the same --internal-auth-token-file"
+    )]
+    TokenRefused { status: u16 },
+    /// A 404 `unknown_route` in kvroute's error shape: the URL is a kvroute replica's PUBLIC
+    /// listener, which serves no `/internal/*` route.
+    #[error(
+        "the sibling URL is a kvroute replica's public listener, not its internal one: name its internal port (--internal-port, by default --port + 1)"
+    )]
+    PublicListener,
+}
+
+impl Misdirected {
+    /// Reads a sibling's non-200 answer to an internal route: `Some` when its status or its
+    /// body says the request was misaddressed. Reads at most [`REFUSAL_BODY_MAX_BYTES`].
+    pub async fn of(resp: reqwest::Response) -> Option<Misdirected> {
+        match resp.status().as_u16() {
+            status @ (401 | 403) => Some(Misdirected::TokenRefused { status }),
+            404 => (refusal_code(resp).await.as_deref() == Some(PUBLIC_UNKNOWN_ROUTE_CODE))
+                .then_some(Misdirected::PublicListener),
+            _ => None,
+        }
+    }
+}
+
+/// The error code of the public listener's 404 (`ApiError::UnknownRoute`); the internal
+/// listener answers its own 404s with other codes (`no_index`, `not_found`).
+const PUBLIC_UNKNOWN_ROUTE_CODE: &str = "unknown_route";
 
 /// The headers of a 200 snapshot answer, handed to a streamed fetch's consumer with the body.
 #[derive(Debug, Clone)]
@@ -152,9 +186,9 @@ pub enum StreamedAnswer<T> {
     NoSnapshot,
     /// The sibling is warm but refused for now: 503 `busy` or 429.
     Busy,
-    /// 401 or 403: the sibling refused this replica's internal token. It will refuse it on
-    /// every ask, since both replicas read their tokens once at start-up.
-    TokenRefused { status: u16 },
+    /// The sibling was misaddressed (a refused token, its public port): it will answer the
+    /// same on every ask.
+    Misdirected(Misdirected),
     /// The body passed the byte limit on the wire (Content-Length or counted chunks).
     TooLarge { limit_bytes: usize },
     /// Connect failure, timeout, broken body, any other status, or a consumer that panicked.
@@ -317,9 +351,11 @@ impl PeerFetcher {
             .map_err(NotServed::Unreachable)?;
         match resp.status().as_u16() {
             200 => Ok((url, resp)),
-            404 => Err(NotServed::NoSnapshot),
+            401 | 403 | 404 => Err(match Misdirected::of(resp).await {
+                Some(m) => NotServed::Misdirected(m),
+                None => NotServed::NoSnapshot,
+            }),
             429 => Err(NotServed::Busy),
-            status @ (401 | 403) => Err(NotServed::TokenRefused(status)),
             503 => Err(match refusal_code(resp).await.as_deref() {
                 Some("index_not_ready") => NotServed::NoSnapshot,
                 Some("busy") => NotServed::Busy,
@@ -356,9 +392,7 @@ impl PeerFetcher {
             Ok(ok) => ok,
             Err(NotServed::NoSnapshot) => return StreamedAnswer::NoSnapshot,
             Err(NotServed::Busy) => return StreamedAnswer::Busy,
-            Err(NotServed::TokenRefused(status)) => {
-                return StreamedAnswer::TokenRefused { status };
-            }
+            Err(NotServed::Misdirected(m)) => return StreamedAnswer::Misdirected(m),
             Err(NotServed::Unreachable(reason)) => return StreamedAnswer::Unreachable(reason),
         };
         let max_bytes = self.cfg.max_bytes;

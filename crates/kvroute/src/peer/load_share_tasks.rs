@@ -175,9 +175,9 @@ async fn supervise(router: Arc<Router>) {
 async fn follow(router: Arc<Router>, peer: PeerUrl, stop: CancellationToken) {
     let share = &router.load_share;
     let mut backoff_ms = LOAD_SHARE_RECONNECT_BACKOFF_MIN_MS;
-    // A refused token is a misconfiguration, not a passing fault: said once at warn, not at
-    // every reconnect.
-    let mut token_refusal_told = false;
+    // A misaddressed sibling (refused token, public port) is a misconfiguration, not a passing
+    // fault: said once at warn, not at every reconnect.
+    let mut misdirection_told = false;
     while !stop.is_cancelled() {
         let outcome = tokio::select! {
             _ = stop.cancelled() => break,
@@ -188,11 +188,11 @@ async fn follow(router: Arc<Router>, peer: PeerUrl, stop: CancellationToken) {
         }
         match outcome {
             StreamEnd::AfterFrames => backoff_ms = LOAD_SHARE_RECONNECT_BACKOFF_MIN_MS,
-            StreamEnd::TokenRefused(status) => {
-                if !token_refusal_told {
-                    tracing::warn!(sibling = %peer, status,
-                        "the sibling refused this replica's internal token: the two share no load bookings, and neither can bootstrap from the other; every replica needs the same --internal-auth-token-file");
-                    token_refusal_told = true;
+            StreamEnd::Misdirected(m) => {
+                if !misdirection_told {
+                    tracing::warn!(sibling = %peer, reason = %m,
+                        "this replica cannot follow the sibling's load bookings");
+                    misdirection_told = true;
                 }
                 backoff_ms = LOAD_SHARE_RECONNECT_BACKOFF_MAX_MS;
             }
@@ -215,8 +215,8 @@ enum StreamEnd {
     AfterFrames,
     /// It could not be opened or broke before its first frame, or a frame was refused.
     Failed(String),
-    /// 401 or 403: the sibling refused this replica's internal token.
-    TokenRefused(u16),
+    /// The sibling was misaddressed (`fetch::Misdirected`).
+    Misdirected(crate::peer::fetch::Misdirected),
 }
 
 async fn read_stream(router: &Router, peer: &PeerUrl) -> StreamEnd {
@@ -240,10 +240,12 @@ async fn read_stream(router: &Router, peer: &PeerUrl) -> StreamEnd {
         Ok(Err(e)) => return StreamEnd::Failed(e.to_string()),
         Ok(Ok(r)) => r,
     };
-    match resp.status().as_u16() {
-        200 => {}
-        status @ (401 | 403) => return StreamEnd::TokenRefused(status),
-        status => return StreamEnd::Failed(format!("HTTP {status}")),
+    let status = resp.status();
+    if status != reqwest::StatusCode::OK {
+        return match crate::peer::fetch::Misdirected::of(resp).await {
+            Some(m) => StreamEnd::Misdirected(m),
+            None => StreamEnd::Failed(format!("HTTP {status}")),
+        };
     }
     let mut body = resp.bytes_stream();
     let mut line: Vec<u8> = Vec::new();
