@@ -530,15 +530,26 @@ fn order_with_first(first: usize, n: usize, key: impl Fn(usize) -> f64) -> Vec<u
         // The `keep` cheapest, kept sorted as they are found: most ranks lose one comparison
         // against the current last and are never stored, where collecting all of them and
         // selecting cost a thousand-entry list per request.
+        // Indices are visited in increasing order, so a cost equal to the last kept one loses
+        // on the index: one plain comparison turns away almost every rank (NaN until `keep`
+        // are kept, which no comparison passes).
         let mut best: Vec<(f64, usize)> = Vec::with_capacity(keep + 1);
+        let mut worst_kept_cost = f64::NAN;
         for i in (0..n).filter(|&i| i != first) {
-            let item = (key(i), i);
+            let cost = key(i);
+            if cost >= worst_kept_cost {
+                continue;
+            }
+            let item = (cost, i);
             if best.len() == keep && by_key(&item, &best[keep - 1]).is_ge() {
                 continue;
             }
             let at = best.partition_point(|b| by_key(b, &item).is_lt());
             best.insert(at, item);
             best.truncate(keep);
+            if best.len() == keep {
+                worst_kept_cost = best[keep - 1].0;
+            }
         }
         best
     } else {
