@@ -49,6 +49,40 @@ pub enum ServeError {
     Setup(String),
 }
 
+/// Loads every tokenizer the configuration names, refusing to start when one cannot be loaded:
+/// a model whose tokenizer fails would have its text routed blind to the engines' caches
+/// (`routing::tokenize::Untokenized`), a misconfiguration better refused at start-up than found
+/// from a falling hit rate. Loaded off the runtime's threads, and kept in the router's tokenizer
+/// set, so registering a worker later finds it loaded.
+async fn load_configured_tokenizers(router: &Arc<Router>) -> Result<(), ServeError> {
+    let config = &router.config;
+    let mut paths: Vec<(String, std::path::PathBuf)> = config
+        .model_tokenizers
+        .iter()
+        .map(|(model, path)| {
+            (
+                format!("--model-tokenizer {model}={}", path.display()),
+                path.clone(),
+            )
+        })
+        .collect();
+    if let Some(path) = &config.tokenizer_path {
+        paths.push((format!("--tokenizer-path {}", path.display()), path.clone()));
+    }
+    for (flag, path) in paths {
+        let r = router.clone();
+        let loaded = tokio::task::spawn_blocking(move || {
+            r.tokenizers
+                .get_or_load(&path, r.config.tokenizer_cache_entries_max)
+                .map(|_| ())
+        })
+        .await
+        .map_err(|e| ServeError::Setup(format!("loading {flag}: {e}")))?;
+        loaded.map_err(|e| ServeError::Setup(format!("{flag}: {e}")))?;
+    }
+    Ok(())
+}
+
 /// A running router. Dropping it does not stop the server; call [`RouterHandle::shutdown`].
 pub struct RouterHandle {
     pub addr: SocketAddr,
@@ -147,6 +181,7 @@ pub async fn serve_with_workers(
     }
     let source_name = source.name().to_string();
     let router = Arc::new(Router::new(config, prom).map_err(ServeError::Setup)?);
+    load_configured_tokenizers(&router).await?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|source| ServeError::Bind {

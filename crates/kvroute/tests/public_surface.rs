@@ -405,6 +405,33 @@ async fn an_internal_listener_on_a_non_loopback_address_without_a_token_refuses_
     allowed.shutdown().await;
 }
 
+/// A tokenizer the operator named must load: a router that started without it would route the
+/// model's text blind to the engines' caches. Both flags are checked at start-up, each named in
+/// the refusal.
+#[tokio::test]
+async fn a_named_tokenizer_that_cannot_be_loaded_refuses_to_start() {
+    let missing = std::env::temp_dir().join("kvroute-no-such-dir/tokenizer.json");
+    for config in [
+        RouterConfig {
+            tokenizer_path: Some(missing.clone()),
+            ..router_config(&[])
+        },
+        RouterConfig {
+            model_tokenizers: [("m".to_string(), missing.clone())].into(),
+            ..router_config(&[])
+        },
+    ] {
+        let err = match kvroute::serve(config).await {
+            Ok(_) => panic!("a router whose tokenizer cannot be loaded started"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains("tokenizer") && err.contains("kvroute-no-such-dir"),
+            "the refusal names the flag and the path: {err}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_502_tells_the_client_no_engine_url_or_os_error() {
     let fleet = fleet(1, 1, "m").await;
