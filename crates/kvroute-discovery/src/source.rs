@@ -7,7 +7,13 @@
 //! "complete" and "failure" mean:
 //! - static list: complete at once, never changes;
 //! - DNS: every successful lookup is complete; a failed lookup keeps the last answer, because
-//!   a resolver hiccup must not look like "the fleet vanished";
+//!   a resolver hiccup must not look like "the fleet vanished". One failure is an answer: a
+//!   name without address records (NXDOMAIN), which is how Kubernetes' DNS answers for a
+//!   headless Service with no ready endpoint (the DNS spec, kubernetes/dns#245). Before any
+//!   other answer it means "no siblings yet" and syncs the registry empty, so the first
+//!   replicas of a fleet (whose Service publishes only ready addresses) do not hold readiness
+//!   for a whole bootstrap deadline waiting on each other; after one, it keeps the last set
+//!   like any failure (a resolver's transient NXDOMAIN must not empty a known fleet);
 //! - Kubernetes: a relist is complete only at `InitDone` (the `k8s` module).
 
 use std::collections::BTreeSet;
@@ -122,11 +128,35 @@ impl Resolve for SystemResolver {
     fn lookup(&self, name: &str, port: u16) -> LookupFuture {
         let name = name.to_string();
         Box::pin(async move {
-            let addrs = tokio::net::lookup_host((name.as_str(), port)).await?;
+            let addrs = tokio::net::lookup_host((name.as_str(), port))
+                .await
+                .map_err(|e| {
+                    if names_no_address(&e) {
+                        io::Error::new(io::ErrorKind::NotFound, e.to_string())
+                    } else {
+                        e
+                    }
+                })?;
             // The registry keeps at most PEERS_MAX; taking one more lets it log the overflow.
             Ok(addrs.take(PEERS_MAX + 1).collect())
         })
     }
+}
+
+/// What getaddrinfo says of a name that has no address records (`EAI_NONAME`, `EAI_NODATA`), in
+/// glibc's and musl's words: std keeps only this text of the code (`gai_strerror`), and the
+/// image's distroless glibc base has no locale that would translate it. A wording not listed
+/// here leaves the failure a plain one (the last set kept), never a wrong "no siblings".
+const NO_ADDRESS_RECORDS_TEXTS: [&str; 4] = [
+    "Name or service not known",
+    "No address associated with hostname",
+    "Name does not resolve",
+    "Name has no usable address",
+];
+
+fn names_no_address(e: &io::Error) -> bool {
+    let text = e.to_string();
+    NO_ADDRESS_RECORDS_TEXTS.iter().any(|t| text.contains(t))
 }
 
 async fn run_dns(cfg: DnsPeers, registry: PeerRegistry, cancel: CancellationToken) {
@@ -167,6 +197,15 @@ pub(crate) async fn run_dns_with(
                         "peer set changed (DNS)"
                     );
                 }
+            }
+            Ok(Err(e)) if e.kind() == io::ErrorKind::NotFound && !registry.is_synced() => {
+                failures_in_a_row = 0;
+                registry.replace(Vec::new());
+                tracing::info!(
+                    name = %cfg.target.name,
+                    error = %e,
+                    "the siblings' DNS name has no address yet (a headless Service with no ready endpoint): no siblings"
+                );
             }
             Ok(Err(e)) => {
                 failures_in_a_row += 1;
@@ -260,7 +299,7 @@ mod tests {
                 .answers
                 .lock()
                 .pop_front()
-                .unwrap_or_else(|| Err(io::Error::other("scripted NXDOMAIN")));
+                .unwrap_or_else(|| Err(io::Error::other("scripted SERVFAIL")));
             Box::pin(async move { answer })
         }
     }
@@ -312,6 +351,91 @@ mod tests {
             "failed lookups after a success must keep the last set (and self stays out)"
         );
         assert_eq!(s.version, 1, "failures must not publish anything");
+    }
+
+    #[test]
+    fn getaddrinfos_no_such_name_texts_are_told_from_other_failures() {
+        for text in [
+            "failed to lookup address information: Name or service not known",
+            "failed to lookup address information: No address associated with hostname",
+            "failed to lookup address information: Name does not resolve",
+        ] {
+            assert!(names_no_address(&io::Error::other(text)), "{text}");
+        }
+        for text in [
+            "failed to lookup address information: Temporary failure in name resolution",
+            "failed to lookup address information: Try again",
+            "connection refused",
+        ] {
+            assert!(!names_no_address(&io::Error::other(text)), "{text}");
+        }
+    }
+
+    fn no_such_name() -> io::Result<Vec<SocketAddr>> {
+        Err(io::Error::new(io::ErrorKind::NotFound, "scripted NXDOMAIN"))
+    }
+
+    fn dns_peers(refresh_interval_ms: u64) -> DnsPeers {
+        DnsPeers {
+            target: DnsTarget::parse("kvroute-internal:8081").unwrap(),
+            https: false,
+            exclude_ips: Vec::new(),
+            ip_family: PeerIpFamily::Any,
+            refresh_interval_ms,
+        }
+    }
+
+    /// Runs the DNS source over `answers` (then failures) until it has made `lookups` lookups;
+    /// returns the registry's snapshot then.
+    async fn after_lookups(
+        answers: Vec<io::Result<Vec<SocketAddr>>>,
+        lookups: u64,
+    ) -> crate::registry::PeerSnapshot {
+        let (calls, mut seen_calls) = tokio::sync::watch::channel(0u64);
+        let resolver = std::sync::Arc::new(ScriptedResolver {
+            answers: parking_lot::Mutex::new(answers.into()),
+            calls,
+        });
+        let registry = PeerRegistry::new();
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn(run_dns_with(
+            resolver,
+            dns_peers(5),
+            registry.clone(),
+            cancel.clone(),
+        ));
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            seen_calls.wait_for(|c| *c >= lookups),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("waiting for {lookups} lookups"))
+        .unwrap();
+        let snapshot = registry.snapshot();
+        cancel.cancel();
+        task.await.unwrap();
+        snapshot
+    }
+
+    #[tokio::test]
+    async fn a_name_without_addresses_before_any_answer_syncs_the_registry_empty() {
+        let s = after_lookups(vec![no_such_name(), no_such_name()], 2).await;
+        assert!(
+            s.synced,
+            "NXDOMAIN is Kubernetes' answer for no ready sibling"
+        );
+        assert!(s.peers.is_empty(), "{:?}", s.peers);
+    }
+
+    #[tokio::test]
+    async fn a_name_without_addresses_after_an_answer_keeps_the_last_set() {
+        let a: SocketAddr = "10.0.0.1:8081".parse().unwrap();
+        let s = after_lookups(vec![Ok(vec![a]), no_such_name(), no_such_name()], 4).await;
+        assert_eq!(
+            s.peers.iter().map(PeerUrl::as_str).collect::<Vec<_>>(),
+            ["http://10.0.0.1:8081"],
+            "a transient NXDOMAIN must not empty a known fleet"
+        );
     }
 
     #[tokio::test]
