@@ -218,9 +218,9 @@ fn check_prompt_length(group: &ModelGroup, tokens: &[u32]) -> Result<(), ApiErro
 }
 
 /// Whether the router tokenizes a prompt text of `text_bytes` bytes: `Ok(true)` to tokenize,
-/// `Ok(false)` to route it on load and forward it untouched (past
-/// `--tokenize-text-bytes-max`: [`Untokenized::TextTooLong`]), or the refusal when its length alone proves it longer than the
-/// model's limit (see [`crate::routing::text_bound`]), which spares tokenizing it at all.
+/// `Ok(false)` to route it on load and forward it untouched (past `--tokenize-text-bytes-max`:
+/// [`Untokenized::TextTooLong`]), or the refusal when its length alone proves it longer than
+/// the model's limit (see [`crate::routing::text_bound`]), which spares tokenizing it at all.
 fn admit_text(
     router: &Router,
     group: &ModelGroup,
