@@ -73,8 +73,13 @@ pub struct ServeArgs {
     /// KV events endpoint for engines that do not advertise one, e.g. `tcp://{host}:5557`.
     #[arg(long, env = "KVROUTE_KV_EVENTS_ENDPOINT_TEMPLATE")]
     pub kv_events_endpoint_template: Option<String>,
+    /// Replay socket port of DP rank 0 for engines set up by `--kv-events-endpoint-template`
+    /// (rank r uses this + r). Unset = no replay: a sequence gap is then not healed from the
+    /// engine, and a graft's splice is proven by the siblings' cursors alone.
     #[arg(long, env = "KVROUTE_KV_EVENTS_REPLAY_PORT_BASE")]
     pub kv_events_replay_port_base: Option<u16>,
+    /// Tokens per KV block for engines that do not advertise it (vLLM's `--block-size`). The
+    /// router hashes prompts in blocks of this size, so it must equal the engines'; unset = 16.
     #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
     pub block_size: Option<usize>,
     #[arg(long, env = "KVROUTE_DP_SIZE")]
