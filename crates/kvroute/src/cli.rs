@@ -44,19 +44,24 @@ pub enum LogFormat {
 pub struct Cli {
     #[command(flatten)]
     pub serve: ServeArgs,
+    /// Log lines as plain text or as one JSON object each.
     #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
 }
 
 #[derive(Debug, Args, Clone)]
 pub struct ServeArgs {
+    /// Address of the public listener (the inference API, `/readyz`, `/metrics`, `/workers`).
     #[arg(long, env = "KVROUTE_HOST", default_value = "127.0.0.1")]
     pub host: String,
+    /// Port of the public listener.
     #[arg(long, env = "KVROUTE_PORT", default_value_t = 30000)]
     pub port: u16,
     /// Engine URLs, optionally `URL@model`.
     #[arg(long, env = "KVROUTE_WORKER_URLS", num_args = 1.., value_delimiter = ',')]
     pub worker_urls: Vec<String>,
+    /// How a request's rank is chosen: `cache-aware` weighs each rank's cached prefix against
+    /// its load; the others route on load or in turn, blind to the caches.
     #[arg(
         long,
         env = "KVROUTE_POLICY",
@@ -82,20 +87,27 @@ pub struct ServeArgs {
     /// router hashes prompts in blocks of this size, so it must equal the engines'; unset = 16.
     #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
     pub block_size: Option<usize>,
+    /// Data-parallel ranks per engine, for engines that do not advertise it (with
+    /// `--kv-events-endpoint-template`); unset = 1.
     #[arg(long, env = "KVROUTE_DP_SIZE")]
     pub dp_size: Option<u32>,
+    /// Cost model: estimated prefill time per uncached prompt token, in microseconds.
     #[arg(
         long,
         env = "KVROUTE_PREFILL_COST_US_PER_TOKEN",
         default_value_t = 50.0
     )]
     pub prefill_cost_us_per_token: f64,
+    /// Cost model: delay one request in flight on a rank adds to a new request's first token,
+    /// in microseconds.
     #[arg(
         long,
         env = "KVROUTE_DECODE_PENALTY_US_PER_REQUEST",
         default_value_t = 2000.0
     )]
     pub decode_penalty_us_per_request: f64,
+    /// Cost model: share of a full prefill that a block found only in a host or disk tier
+    /// still costs (loading it back is cheaper than computing it, not free).
     #[arg(
         long,
         env = "KVROUTE_OFFLOADED_BLOCK_COST_FRACTION",
@@ -176,19 +188,27 @@ pub struct ServeArgs {
     /// Add an `x-kvroute-decision` header to every routed response.
     #[arg(long, env = "KVROUTE_DECISION_HEADER")]
     pub decision_header: bool,
+    /// Largest request body accepted (413 beyond).
     #[arg(long, env = "KVROUTE_MAX_BODY_BYTES", default_value_t = DEFAULT_BODY_MAX_BYTES)]
     pub max_body_bytes: usize,
+    /// Longest wait for an engine's response headers (504 beyond); a streamed answer may then
+    /// take as long as it generates.
     #[arg(long, env = "KVROUTE_REQUEST_TIMEOUT_MS", default_value_t = 300_000)]
     pub request_timeout_ms: u64,
+    /// Further ranks a request is sent to, cheapest first, when its choice cannot be reached
+    /// (at most 16).
     #[arg(long, env = "KVROUTE_MAX_RETRIES", default_value_t = 2)]
     pub max_retries: u32,
+    /// Interval between active health checks of each worker.
     #[arg(long, env = "KVROUTE_HEALTH_INTERVAL_MS", default_value_t = 5_000)]
     pub health_interval_ms: u64,
+    /// Timeout of one health check.
     #[arg(long, env = "KVROUTE_HEALTH_TIMEOUT_MS", default_value_t = 2_000)]
     pub health_timeout_ms: u64,
     /// Consecutive failures that eject a worker.
     #[arg(long, env = "KVROUTE_EJECT_AFTER_FAILURES", default_value_t = 3)]
     pub eject_after_failures: u32,
+    /// How long an ejected worker stays out of routing before it is tried again.
     #[arg(long, env = "KVROUTE_EJECT_COOLDOWN_MS", default_value_t = 10_000)]
     pub eject_cooldown_ms: u64,
     /// Threads serving client connections, each with its own runtime and upstream connection
