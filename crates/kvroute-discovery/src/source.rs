@@ -132,7 +132,7 @@ impl Resolve for SystemResolver {
                 .await
                 .map_err(|e| {
                     if names_no_address(&e) {
-                        io::Error::new(io::ErrorKind::NotFound, e.to_string())
+                        io::Error::other(NoAddressRecords(e.to_string()))
                     } else {
                         e
                     }
@@ -153,6 +153,18 @@ const NO_ADDRESS_RECORDS_TEXTS: [&str; 4] = [
     "Name does not resolve",
     "Name has no usable address",
 ];
+
+/// A lookup's answer that the name has no address records, carried inside the `io::Error` the
+/// resolver seam returns. Its own type rather than an `ErrorKind`: `NotFound` could also be a
+/// system error (`EAI_SYSTEM` with `ENOENT`), which must stay a plain failure.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct NoAddressRecords(String);
+
+fn is_no_address_records(e: &io::Error) -> bool {
+    e.get_ref()
+        .is_some_and(|inner| inner.is::<NoAddressRecords>())
+}
 
 fn names_no_address(e: &io::Error) -> bool {
     let text = e.to_string();
@@ -198,7 +210,7 @@ pub(crate) async fn run_dns_with(
                     );
                 }
             }
-            Ok(Err(e)) if e.kind() == io::ErrorKind::NotFound && !registry.is_synced() => {
+            Ok(Err(e)) if is_no_address_records(&e) && !registry.is_synced() => {
                 failures_in_a_row = 0;
                 registry.replace(Vec::new());
                 tracing::info!(
@@ -369,10 +381,19 @@ mod tests {
         ] {
             assert!(!names_no_address(&io::Error::other(text)), "{text}");
         }
+        // A system error of kind NotFound (EAI_SYSTEM with ENOENT) is not an answer.
+        assert!(!is_no_address_records(&io::Error::from(
+            io::ErrorKind::NotFound
+        )));
+        assert!(is_no_address_records(&io::Error::other(NoAddressRecords(
+            "Name or service not known".into()
+        ))));
     }
 
     fn no_such_name() -> io::Result<Vec<SocketAddr>> {
-        Err(io::Error::new(io::ErrorKind::NotFound, "scripted NXDOMAIN"))
+        Err(io::Error::other(NoAddressRecords(
+            "scripted NXDOMAIN".into(),
+        )))
     }
 
     fn dns_peers(refresh_interval_ms: u64) -> DnsPeers {
@@ -440,34 +461,10 @@ mod tests {
 
     #[tokio::test]
     async fn dns_failures_from_the_start_leave_the_registry_unsynced() {
-        let (calls, mut seen_calls) = tokio::sync::watch::channel(0u64);
-        let resolver = std::sync::Arc::new(ScriptedResolver {
-            answers: parking_lot::Mutex::new(Default::default()),
-            calls,
-        });
-        let registry = PeerRegistry::new();
-        let cfg = DnsPeers {
-            target: DnsTarget::parse("kvroute-internal:8081").unwrap(),
-            https: false,
-            exclude_ips: Vec::new(),
-            ip_family: PeerIpFamily::Any,
-            refresh_interval_ms: 5,
-        };
-        let cancel = CancellationToken::new();
-        let task = tokio::spawn(run_dns_with(
-            resolver,
-            cfg,
-            registry.clone(),
-            cancel.clone(),
-        ));
-        tokio::time::timeout(Duration::from_secs(10), seen_calls.wait_for(|c| *c >= 3))
-            .await
-            .expect("waiting for 3 failed lookups")
-            .unwrap();
-        cancel.cancel();
-        task.await.unwrap();
+        // No scripted answer: every lookup fails as a resolver outage would (not NXDOMAIN).
+        let s = after_lookups(Vec::new(), 3).await;
         assert!(
-            !registry.is_synced(),
+            !s.synced,
             "a never-resolved name is not \"synced and alone\""
         );
     }
