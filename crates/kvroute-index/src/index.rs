@@ -235,8 +235,55 @@ pub struct ApplyReport {
     pub events: u32,
     pub stored_blocks: u64,
     pub removed_blocks: u64,
-    pub skipped_blocks: u64,
+    /// Blocks the batch named that the index did not take, by reason.
+    pub skipped: SkippedBlocks,
+    /// The block size of the last store skipped for [`SkippedBlocks::block_size`]: what the
+    /// engine really uses, which the caller can name in its warning.
+    pub foreign_block_size: Option<u32>,
     pub evicted_carriers: u64,
+}
+
+/// Blocks of a batch the index could not take, by reason. Kept apart because the reasons mean
+/// different things to an operator: a foreign block size or token count is a configuration
+/// mismatch that leaves the rank blind for good (the caller warns), an unknown parent is the
+/// normal lot of a router that started mid-stream, and a full shard or cap is memory pressure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SkippedBlocks {
+    /// Stores whose block size differs from the index's (the engine was configured apart).
+    pub block_size: u64,
+    /// Stores whose token count is neither `block_size * n` nor the bigram `2x`.
+    pub token_count: u64,
+    /// Stores whose parent block the rank never announced (the prefix is unknown).
+    pub unknown_parent: u64,
+    /// Stores in a medium this build does not know.
+    pub unknown_medium: u64,
+    /// Stores past a shard's addressable size.
+    pub shard_full: u64,
+    /// Removals of a block the rank does not carry.
+    pub unknown_removed: u64,
+}
+
+impl SkippedBlocks {
+    pub fn total(&self) -> u64 {
+        self.block_size
+            + self.token_count
+            + self.unknown_parent
+            + self.unknown_medium
+            + self.shard_full
+            + self.unknown_removed
+    }
+
+    /// `(metric label, count)` per reason, in a fixed order.
+    pub fn by_reason(&self) -> [(&'static str, u64); 6] {
+        [
+            ("block_size", self.block_size),
+            ("token_count", self.token_count),
+            ("unknown_parent", self.unknown_parent),
+            ("unknown_medium", self.unknown_medium),
+            ("shard_full", self.shard_full),
+            ("unknown_removed", self.unknown_removed),
+        ]
+    }
 }
 
 /// A carrier word: `rank << 4 | tiers`. [`EMPTY_CARRIER`] marks an unused inline slot. Words and
@@ -1192,12 +1239,13 @@ impl IndexWriter {
         let bs = self.shared.cfg.block_size as usize;
         if s.block_size as usize != bs || bs == 0 {
             c.block_size_mismatch_events.fetch_add(1, Relaxed);
-            report.skipped_blocks += n as u64;
+            report.skipped.block_size += n as u64;
+            report.foreign_block_size = Some(s.block_size);
             return;
         }
         let Some(tier) = medium_bit(s.medium) else {
             c.unknown_medium_stored_blocks.fetch_add(n as u64, Relaxed);
-            report.skipped_blocks += n as u64;
+            report.skipped.unknown_medium += n as u64;
             return;
         };
         let want = bs.checked_mul(n);
@@ -1212,7 +1260,7 @@ impl IndexWriter {
             &tokens
         } else {
             c.token_mismatch_events.fetch_add(1, Relaxed);
-            report.skipped_blocks += n as u64;
+            report.skipped.token_count += n as u64;
             self.token_scratch = tokens;
             return;
         };
@@ -1232,7 +1280,7 @@ impl IndexWriter {
                 Some(r) => shared.split_ref(r),
                 None => {
                     c.stored_unknown_parent_blocks.fetch_add(n as u64, Relaxed);
-                    report.skipped_blocks += n as u64;
+                    report.skipped.unknown_parent += n as u64;
                     self.token_scratch = tokens;
                     return;
                 }
@@ -1256,7 +1304,7 @@ impl IndexWriter {
                     _ => {
                         // Side maps never point at freed nodes; stay safe if that ever breaks.
                         c.stored_unknown_parent_blocks.fetch_add(n as u64, Relaxed);
-                        report.skipped_blocks += n as u64;
+                        report.skipped.unknown_parent += n as u64;
                         drop(shard);
                         self.token_scratch = tokens;
                         return;
@@ -1274,7 +1322,7 @@ impl IndexWriter {
                     shard.find_or_create(h, parent_idx, shared.max_nodes_per_shard, clock)
                 else {
                     c.shard_full_blocks.fetch_add((n - i) as u64, Relaxed);
-                    report.skipped_blocks += (n - i) as u64;
+                    report.skipped.shard_full += (n - i) as u64;
                     break;
                 };
                 shard.nodes[idx as usize].stamp.store(clock, Relaxed);
@@ -1376,7 +1424,7 @@ impl IndexWriter {
             .removed_unknown_blocks
             .fetch_add(unknown, Relaxed);
         report.removed_blocks += removed;
-        report.skipped_blocks += unknown;
+        report.skipped.unknown_removed += unknown;
     }
 
     /// Evicts least-recently-matched leaf carriers while over the cap; returns carriers evicted.

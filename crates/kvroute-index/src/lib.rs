@@ -16,7 +16,7 @@ pub use graft::{
 };
 pub use index::{
     ApplyReport, IndexConfig, IndexCounters, IndexReader, IndexWriter, PrefixIndex, PrefixMatch,
-    RankId, RankMatch, RankStats, ShardMemory, TIER_ALL, TIER_DEVICE, TIER_DISK, TIER_EXTERNAL,
-    TIER_HOST,
+    RankId, RankMatch, RankStats, ShardMemory, SkippedBlocks, TIER_ALL, TIER_DEVICE, TIER_DISK,
+    TIER_EXTERNAL, TIER_HOST,
 };
 pub use snapshot::{ExportReport, RestoreError, RestoreReport, retain_ranks, validate_snapshot};

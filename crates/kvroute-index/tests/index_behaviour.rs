@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvroute_index::{IndexConfig, PrefixIndex, PrefixMatch, RankId, RankMatch};
+use kvroute_index::{IndexConfig, PrefixIndex, PrefixMatch, RankId, RankMatch, SkippedBlocks};
 use kvroute_wire::event::{KvEvent, Medium};
 
 const BS: u32 = 4;
@@ -182,11 +182,33 @@ fn a_token_count_mismatch_is_counted_and_skipped() {
     let a = w.add_rank(rank_ref(0));
     let mut t = tokens(8, 2, BS);
     t.pop();
-    w.apply_event(a, &stored(&[1, 2], None, t, BS, None));
-    w.apply_event(a, &stored(&[1], None, tokens(8, 1, 8), 8, None));
+    let short = w.apply_event(a, &stored(&[1, 2], None, t, BS, None));
+    let foreign = w.apply_event(a, &stored(&[1], None, tokens(8, 1, 8), 8, None));
     assert_eq!(r.total_carried(), 0);
     assert_eq!(r.counters().token_mismatch_events, 1);
     assert_eq!(r.counters().block_size_mismatch_events, 1);
+    // The report says why, so the caller can tell a misconfigured engine from the rest.
+    assert_eq!(short.skipped.token_count, 2, "{short:?}");
+    assert_eq!(short.skipped.total(), 2, "{short:?}");
+    assert_eq!(short.foreign_block_size, None);
+    assert_eq!(foreign.skipped.block_size, 1, "{foreign:?}");
+    assert_eq!(foreign.skipped.total(), 1, "{foreign:?}");
+    assert_eq!(foreign.foreign_block_size, Some(8));
+}
+
+#[test]
+fn a_store_under_an_unknown_parent_is_reported_as_such_and_a_good_one_skips_nothing() {
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let a = w.add_rank(rank_ref(0));
+    let good = w.apply_event(a, &stored(&[1, 2], None, tokens(3, 2, BS), BS, None));
+    assert_eq!(good.stored_blocks, 2, "{good:?}");
+    assert_eq!(good.skipped, SkippedBlocks::default(), "{good:?}");
+    let orphan = w.apply_event(a, &stored(&[5], Some(99), tokens(4, 1, BS), BS, None));
+    assert_eq!(orphan.skipped.unknown_parent, 1, "{orphan:?}");
+    assert_eq!(orphan.skipped.total(), 1, "{orphan:?}");
+    let gone = w.apply_event(a, &removed(&[42], None));
+    assert_eq!(gone.skipped.unknown_removed, 1, "{gone:?}");
+    assert_eq!(r.total_carried(), 2);
 }
 
 #[test]

@@ -30,7 +30,8 @@ pub use bootstrap::{
     BOOTSTRAP_EVENTS_CAPACITY, BootstrapEvent, GraftDisposition, GraftReceipt, GraftTarget,
 };
 pub use discovery::{
-    DiscoveryError, KvEventsConfig, WorkerInfo, fetch_worker_info, kv_config_from_template,
+    DP_SIZE_MAX, DiscoveryError, KvEventsConfig, WorkerInfo, fetch_worker_info,
+    kv_config_from_template,
 };
 pub use plane::{KvPlane, KvPlaneConfig, KvPlaneError, ModelView};
 pub use pump::{

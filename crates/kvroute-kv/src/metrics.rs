@@ -21,6 +21,7 @@ pub struct KvMetrics {
     pub decode_errors: IntCounter,
     pub malformed_messages: IntCounter,
     pub block_size_mismatch: IntCounter,
+    pub skipped_blocks: IntCounterVec,
     pub subscriber_state: IntGaugeVec,
     pub carried_blocks: IntGaugeVec,
     pub bootstrap_outcomes: IntCounterVec,
@@ -83,6 +84,13 @@ impl KvMetrics {
                 "kvroute_block_size_mismatch_total",
                 "Workers refused because their KV block size differs from their model's.",
             )?,
+            skipped_blocks: IntCounterVec::new(
+                Opts::new(
+                    "kvroute_kv_skipped_blocks_total",
+                    "Blocks named by applied events that the index did not take, by reason: block_size and token_count (the engine's events do not fit the model's block size: the rank stays blind to its cache), unknown_parent (a store under a prefix the router never saw, as after a start mid-stream), unknown_medium, shard_full, unknown_removed.",
+                ),
+                &["reason"],
+            )?,
             subscriber_state: IntGaugeVec::new(
                 Opts::new(
                     "kvroute_kv_subscriber_state",
@@ -142,6 +150,7 @@ impl KvMetrics {
         registry.register(Box::new(m.decode_errors.clone()))?;
         registry.register(Box::new(m.malformed_messages.clone()))?;
         registry.register(Box::new(m.block_size_mismatch.clone()))?;
+        registry.register(Box::new(m.skipped_blocks.clone()))?;
         registry.register(Box::new(m.subscriber_state.clone()))?;
         registry.register(Box::new(m.carried_blocks.clone()))?;
         registry.register(Box::new(m.bootstrap_outcomes.clone()))?;

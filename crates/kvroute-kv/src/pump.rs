@@ -35,7 +35,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvroute_index::{GraftJob, GraftPlan, GraftProgress, GraftReport, IndexWriter, RankId};
+use kvroute_index::{
+    ApplyReport, GraftJob, GraftPlan, GraftProgress, GraftReport, IndexWriter, RankId,
+    SkippedBlocks,
+};
 use kvroute_wire::snapshot::RankRef;
 use kvroute_wire::{EventBatch, KvEvent, LoadStat};
 use tokio::sync::{mpsc, oneshot};
@@ -175,6 +178,11 @@ struct PumpRank {
     settled: Option<BootstrapOutcome>,
     /// (batches, bytes) this rank currently adds to the model's held gauges.
     gauged: (u64, u64),
+    /// Blocks this incarnation's batches named that the index did not take, by reason.
+    skipped: SkippedBlocks,
+    /// The rank's events did not fit the model's block size (a foreign block size or token
+    /// count); said once per incarnation, since every later batch of the rank says it again.
+    warned_misfit: bool,
 }
 
 /// Actions of one rank waiting for the running graft, with the batches among them.
@@ -403,6 +411,8 @@ impl<S: KvSource> Pump<S> {
                         bootstrap,
                         settled: None,
                         gauged: (0, 0),
+                        skipped: SkippedBlocks::default(),
+                        warned_misfit: false,
                     },
                 );
                 if bootstrap {
@@ -733,7 +743,18 @@ impl<S: KvSource> Pump<S> {
                         };
                         self.metrics.events_applied.with_label_values(&[kind]).inc();
                     }
-                    self.writer.apply_batch(rank.rank_id, seq, &batch);
+                    let report = self.writer.apply_batch(rank.rank_id, seq, &batch);
+                    if report.skipped.total() > 0 {
+                        let model_block_size = self.writer.reader().config().block_size;
+                        note_skipped(
+                            &self.metrics,
+                            &self.status,
+                            key,
+                            rank,
+                            &report,
+                            model_block_size,
+                        );
+                    }
                     self.metrics.batches_applied.inc();
                     applied = true;
                     if let Some(observe) = &self.cfg.on_apply {
@@ -1089,6 +1110,55 @@ fn spawn_replay<S: KvSource>(
             _ = tx.send(msg) => {}
         }
     });
+}
+
+/// Counts what a batch's events named that the index did not take, keeps the rank's totals
+/// for `GET /workers`, and warns once per incarnation when the rank's events do not fit the
+/// model's block size. That last case is a configuration mismatch the router cannot recover
+/// from by itself (its prompts are hashed in the model's blocks, the engine stores other
+/// ones), and without the warning it looks like a healthy stream and a 0 % hit rate.
+fn note_skipped(
+    metrics: &KvMetrics,
+    status: &StatusTable,
+    key: &RankKey,
+    rank: &mut PumpRank,
+    report: &ApplyReport,
+    model_block_size: u32,
+) {
+    for (reason, blocks) in report.skipped.by_reason() {
+        if blocks > 0 {
+            metrics
+                .skipped_blocks
+                .with_label_values(&[reason])
+                .inc_by(blocks);
+        }
+    }
+    let total = &mut rank.skipped;
+    total.block_size += report.skipped.block_size;
+    total.token_count += report.skipped.token_count;
+    total.unknown_parent += report.skipped.unknown_parent;
+    total.unknown_medium += report.skipped.unknown_medium;
+    total.shard_full += report.skipped.shard_full;
+    total.unknown_removed += report.skipped.unknown_removed;
+    status.set_skipped(
+        key,
+        rank.incarnation,
+        rank.skipped,
+        report.foreign_block_size,
+    );
+    if rank.warned_misfit {
+        return;
+    }
+    if let Some(engine_block_size) = report.foreign_block_size {
+        rank.warned_misfit = true;
+        tracing::warn!(worker = %key.url, dp_rank = key.dp_rank, engine_block_size,
+            model_block_size,
+            "this rank's KV events use blocks of {engine_block_size} tokens, but the model's index hashes prompts in blocks of {model_block_size} (the engine's /server_info, else --block-size): every block it stores is skipped and routing is blind to its cache; start the router with --block-size {engine_block_size} or align the engine (kvroute_kv_skipped_blocks_total{{reason=\"block_size\"}}, GET /workers)");
+    } else if report.skipped.token_count > 0 {
+        rank.warned_misfit = true;
+        tracing::warn!(worker = %key.url, dp_rank = key.dp_rank, model_block_size,
+            "this rank's stored blocks carry a token count that is not {model_block_size} per block: they are skipped and routing is blind to its cache; check the engine's block (page) size against the router's (kvroute_kv_skipped_blocks_total{{reason=\"token_count\"}}, GET /workers)");
+    }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use kvroute_index::SkippedBlocks;
 use parking_lot::RwLock;
 
 use crate::metrics::KvMetrics;
@@ -118,6 +119,11 @@ pub struct RankStatus {
     /// rank's machine, or queued behind its running graft.
     pub held_batches: u64,
     pub held_bytes: u64,
+    /// Blocks this incarnation's events named that the index did not take, by reason.
+    pub skipped_blocks: SkippedBlocks,
+    /// The block size the rank's events use, when it is not the model's (the last one seen):
+    /// the rank is then blind to its cache until the router or the engine is reconfigured.
+    pub foreign_block_size: Option<u32>,
 }
 
 struct Entry {
@@ -159,6 +165,8 @@ impl StatusTable {
             bootstrap: BootstrapState::Off,
             held_batches: 0,
             held_bytes: 0,
+            skipped_blocks: SkippedBlocks::default(),
+            foreign_block_size: None,
         };
         self.entries.write().insert(
             key,
@@ -229,6 +237,22 @@ impl StatusTable {
             e.status.bootstrap = state;
             e.status.held_batches = held_batches;
             e.status.held_bytes = held_bytes;
+        });
+    }
+
+    /// The pump's running totals of what the index did not take from the rank's events.
+    pub fn set_skipped(
+        &self,
+        key: &RankKey,
+        incarnation: u64,
+        skipped: SkippedBlocks,
+        foreign_block_size: Option<u32>,
+    ) {
+        self.update_current(key, incarnation, |e| {
+            e.status.skipped_blocks = skipped;
+            if foreign_block_size.is_some() {
+                e.status.foreign_block_size = foreign_block_size;
+            }
         });
     }
 

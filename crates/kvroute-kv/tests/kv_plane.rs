@@ -189,6 +189,65 @@ async fn stored_chain_is_carried_by_its_rank_at_full_depth() {
             Some(("type", "block_stored"))
         ) >= 5.0
     );
+    let status = status_of(&plane, &url, 1).expect("rank 1 registered");
+    assert_eq!(status.skipped_blocks.total(), 0, "{status:?}");
+    assert_eq!(status.foreign_block_size, None, "{status:?}");
+    assert_eq!(
+        counter(&registry, "kvroute_kv_skipped_blocks_total", None),
+        0.0
+    );
+    plane.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// A router told the wrong block size for an engine that advertises none (vLLM with
+/// `--kv-events-endpoint-template` and a wrong `--block-size`): the stream looks healthy, batches
+/// apply, yet no block can be indexed. The rank must say so instead of routing blind in silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_of_a_foreign_block_size_are_skipped_counted_and_shown_on_the_rank() {
+    let fleet = fleet(1, false).await;
+    let engine = &fleet.engines[0];
+    let url = engine.http_url();
+    let (plane, registry) = new_plane();
+    let kv = discover(engine).await;
+    let engine_block_size = kv
+        .block_size
+        .expect("the simulator advertises its block size");
+    let misconfigured = KvEventsConfig {
+        block_size: Some(engine_block_size * 2),
+        ..kv
+    };
+    plane
+        .add_worker(&url, MODEL, misconfigured)
+        .await
+        .expect("add");
+    warm_up(&plane, engine, 0).await;
+
+    let tokens = chain(7, 3);
+    let seq = engine.store_chains(0, std::slice::from_ref(&tokens));
+    let status = wait_cursor(&plane, &url, 0, seq).await;
+    assert_eq!(
+        status.foreign_block_size,
+        Some(engine_block_size),
+        "{status:?}"
+    );
+    // The warm-up chain's block and the three of the chain, all for the same reason.
+    assert!(status.skipped_blocks.block_size >= 4, "{status:?}");
+    assert_eq!(
+        status.skipped_blocks.total(),
+        status.skipped_blocks.block_size,
+        "{status:?}"
+    );
+    assert_eq!(
+        counter(
+            &registry,
+            "kvroute_kv_skipped_blocks_total",
+            Some(("reason", "block_size"))
+        ),
+        status.skipped_blocks.block_size as f64
+    );
+    let view = plane.model_view(MODEL).expect("the model's index");
+    assert_eq!(view.reader.total_carried(), 0, "nothing may be indexed");
     plane.shutdown().await;
     fleet.shutdown().await;
 }

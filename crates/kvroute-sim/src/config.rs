@@ -151,6 +151,11 @@ pub struct SimConfig {
     /// Enables the test-only /control/* endpoints (never in production).
     #[arg(long, default_value_t = false)]
     pub enable_control: bool,
+    /// Serve no `/server_info` (404), as vLLM does: a router then learns the KV publisher,
+    /// block size and DP size from its own flags (`--kv-events-endpoint-template`,
+    /// `--block-size`, `--dp-size`), as it must for a real vLLM fleet.
+    #[arg(long, default_value_t = false)]
+    pub no_server_info: bool,
 }
 
 /// The tokenizer shipped in the repository (`assets/tokenizer/tokenizer.json`).

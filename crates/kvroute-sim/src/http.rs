@@ -107,9 +107,12 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/health", get(health))
         .route("/health_generate", get(health))
         .route("/get_load", get(get_load))
-        .route("/metrics", get(prometheus_metrics))
-        .route("/server_info", get(server_info))
-        .route("/get_server_info", get(server_info));
+        .route("/metrics", get(prometheus_metrics));
+    if !engine.cfg.no_server_info {
+        app = app
+            .route("/server_info", get(server_info))
+            .route("/get_server_info", get(server_info));
+    }
     if engine.cfg.enable_control {
         app = app
             .route("/control/store", post(control_store))

@@ -85,11 +85,14 @@ pub struct ServeArgs {
     pub kv_events_replay_port_base: Option<u16>,
     /// Tokens per KV block for engines that do not advertise it (vLLM's `--block-size`). The
     /// router hashes prompts in blocks of this size, so it must equal the engines'; unset = 16.
-    #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
-    pub block_size: Option<usize>,
+    /// An engine whose events carry another size is named in a warning and on `GET /workers`.
+    #[arg(long, env = "KVROUTE_BLOCK_SIZE",
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::routing::kv::BLOCK_SIZE_TOKENS_MAX)))]
+    pub block_size: Option<u32>,
     /// Data-parallel ranks per engine, for engines that do not advertise it (with
     /// `--kv-events-endpoint-template`); unset = 1.
-    #[arg(long, env = "KVROUTE_DP_SIZE")]
+    #[arg(long, env = "KVROUTE_DP_SIZE",
+          value_parser = clap::value_parser!(u32).range(1..=i64::from(kvroute_kv::DP_SIZE_MAX)))]
     pub dp_size: Option<u32>,
     /// Cost model: estimated prefill time per uncached prompt token, in microseconds.
     #[arg(
@@ -374,7 +377,7 @@ impl ServeArgs {
             kv_defaults: KvFlagDefaults {
                 events_endpoint_template: self.kv_events_endpoint_template,
                 replay_port_base: self.kv_events_replay_port_base,
-                block_size: self.block_size,
+                block_size: self.block_size.map(|b| b as usize),
                 dp_size: self.dp_size,
             },
             decision_header: self.decision_header,
@@ -574,6 +577,31 @@ mod tests {
                 .err()
                 .unwrap_or_else(|| panic!("--eviction-cost-fraction {bad} accepted"));
             assert!(err.contains("--eviction-cost-fraction"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn engine_shape_flags_fill_the_kv_defaults_and_out_of_range_values_are_refused() {
+        let cfg = Cli::parse_from(["kvroute", "--block-size", "32", "--dp-size", "8"])
+            .serve
+            .into_config()
+            .unwrap();
+        assert_eq!(cfg.kv_defaults.block_size, Some(32));
+        assert_eq!(cfg.kv_defaults.dp_size, Some(8));
+        // A block of 0 tokens hashes nothing and a DP size of 0 names no rank: typos, refused
+        // when the flags are read, not at the first registration.
+        for (flag, bad) in [
+            ("--block-size", "0"),
+            ("--block-size", "65537"),
+            ("--block-size", "-16"),
+            ("--dp-size", "0"),
+            ("--dp-size", "1025"),
+        ] {
+            let arg = format!("{flag}={bad}");
+            let err = Cli::try_parse_from(["kvroute", arg.as_str()])
+                .err()
+                .unwrap_or_else(|| panic!("{flag} {bad} accepted"));
+            assert!(err.to_string().contains(flag), "{flag} {bad}: {err}");
         }
     }
 

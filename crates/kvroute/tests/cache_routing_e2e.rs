@@ -323,3 +323,137 @@ async fn an_engine_restarted_on_the_same_ports_is_routed_to_and_indexed_again() 
     router.shutdown().await;
     fleet2.shutdown().await;
 }
+
+/// A fleet of engines that advertise nothing, as vLLM does (no `/server_info`; vLLM's event
+/// encoding), each with `dp_size` ranks.
+async fn vllm_style_fleet(dp_size: usize) -> kvroute_sim::Fleet {
+    let cfg = kvroute_sim::SimConfig {
+        dp_size,
+        served_model_name: "m".to_string(),
+        kv_encoding: kvroute_sim::config::KvEncodingArg::Vllm,
+        no_server_info: true,
+        ..kvroute_sim::SimConfig::for_tests()
+    };
+    kvroute_sim::start_fleet(cfg).await.expect("fleet starts")
+}
+
+/// A router told the engine's publisher by its flags, as a vLLM fleet needs, with `block_size`
+/// as its `--block-size` (`None`: the flag left unset).
+fn router_config_by_flags(
+    engine: &kvroute_sim::EngineHandle,
+    dp_size: u32,
+    block_size: Option<usize>,
+) -> kvroute::RouterConfig {
+    let ports = engine.ports();
+    kvroute::RouterConfig {
+        kv_defaults: kvroute::routing::kv::KvFlagDefaults {
+            events_endpoint_template: Some(format!("tcp://{{host}}:{}", ports.kv_base)),
+            replay_port_base: Some(ports.replay_base),
+            block_size,
+            dp_size: Some(dp_size),
+        },
+        ..router_config(&[engine.http_url()])
+    }
+}
+
+/// The rank's entry of `GET /workers`.
+fn kv_rank(w: &serde_json::Value, url: &str, dp_rank: u32) -> Option<serde_json::Value> {
+    w["workers"].as_array()?.iter().find(|x| x["url"] == url)?["kv_ranks"]
+        .as_array()?
+        .iter()
+        .find(|r| r["dp_rank"] == dp_rank)
+        .cloned()
+}
+
+/// vLLM advertises nothing: the router learns the publisher from `--kv-events-endpoint-template`,
+/// and with `--block-size` unset indexes the events in vLLM's default 16-token blocks (it used
+/// to refuse the worker: "no default is configured", routed on load only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_advertises_nothing_is_indexed_from_the_router_flags() {
+    let fleet = vllm_style_fleet(2).await;
+    let engine = &fleet.engines[0];
+    let block = engine.block_size();
+    assert_eq!(
+        block,
+        kvroute::control::router::FALLBACK_BLOCK_SIZE_TOKENS,
+        "the engine must use the default the router assumes"
+    );
+    let router = kvroute::serve(router_config_by_flags(engine, 2, None))
+        .await
+        .unwrap();
+    let base = router.url();
+    wait_subscribed(&base, 2).await;
+    let w = workers(&base).await;
+    assert_eq!(w["workers"][0]["kv_source"], "flags", "{w}");
+    let prompt: Vec<u32> = (0..(block * 5) as u32).map(|t| 3000 + t).collect();
+    store_until_indexed(&base, engine, 1, &prompt, 5).await;
+    let rank = kv_rank(&workers(&base).await, &engine.http_url(), 1).expect("rank 1 listed");
+    assert_eq!(
+        rank["foreign_block_size"],
+        serde_json::Value::Null,
+        "{rank}"
+    );
+    assert_eq!(rank["skipped_blocks"]["block_size"], 0, "{rank}");
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// The router hashes prompts in its `--block-size` blocks; an engine storing other ones can never
+/// be matched. Its stream still looks healthy (batches arrive and apply), so the router must say
+/// so where an operator looks: the rank on `GET /workers` and the skipped-blocks metric.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_block_size_flag_is_shown_on_the_rank_instead_of_a_silent_zero_hit_rate() {
+    let fleet = vllm_style_fleet(1).await;
+    let engine = &fleet.engines[0];
+    let url = engine.http_url();
+    let block = engine.block_size();
+    let router = kvroute::serve(router_config_by_flags(engine, 1, Some(block * 2)))
+        .await
+        .unwrap();
+    let base = router.url();
+    wait_subscribed(&base, 1).await;
+    let mut attempt = 0u32;
+    let rank = wait_until(
+        "the rank to show the engine's foreign block size",
+        WAIT_DEADLINE,
+        || {
+            // Keep storing: the first stores may be published before the subscription joins.
+            attempt += 1;
+            let chain: Vec<u32> = (0..(block * 2) as u32)
+                .map(|t| 70_000 + attempt * 64 + t)
+                .collect();
+            engine.store_chains(0, &[chain]);
+            let (base, url) = (base.clone(), url.clone());
+            async move {
+                let w = workers(&base).await;
+                match kv_rank(&w, &url, 0) {
+                    Some(r) if r["foreign_block_size"] == block => Ok(r),
+                    other => Err(format!("{other:?}")),
+                }
+            }
+        },
+    )
+    .await;
+    let skipped = rank["skipped_blocks"]["block_size"].as_u64().unwrap_or(0);
+    assert!(skipped >= 2, "{rank}");
+    let metrics = metrics_text(&base).await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("kvroute_kv_skipped_blocks_total{reason=\"block_size\"}")),
+        "{metrics}"
+    );
+    let (_, scored, _) = post_json(
+        &format!("{base}/debug/route"),
+        &json!({"model": "m", "prompt": (0..(block * 4) as u32).map(|t| 70_064 + t).collect::<Vec<u32>>()}),
+    )
+    .await;
+    assert!(
+        scored["ranks"]
+            .as_array()
+            .is_some_and(|r| r.iter().all(|r| r["matched_blocks"] == 0)),
+        "nothing of a foreign block size may be indexed: {scored}"
+    );
+    router.shutdown().await;
+    fleet.shutdown().await;
+}

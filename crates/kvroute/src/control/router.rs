@@ -20,8 +20,7 @@ use crate::routing::pending::PendingPrefixes;
 use crate::routing::policy::{Policy, PolicyKind};
 use crate::routing::tokenize::TokenizerSet;
 
-/// Block size assumed for a model when neither the engine nor `--block-size` gives one.
-pub const FALLBACK_BLOCK_SIZE_TOKENS: usize = 16;
+pub use crate::routing::kv::FALLBACK_BLOCK_SIZE_TOKENS;
 /// Longest wait between registration attempts of a start-up worker that is not up yet.
 pub const REGISTER_RETRY_MAX_MS: u64 = 5_000;
 /// Longest registration error kept for `/workers` (an error can quote an engine's answer).

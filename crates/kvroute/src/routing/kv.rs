@@ -27,6 +27,15 @@ pub struct KvFlagDefaults {
     pub dp_size: Option<u32>,
 }
 
+/// Block size assumed for a model when neither the engine nor `--block-size` gives one: vLLM's
+/// default on GPUs. The KV plane indexes such an engine's events in it too, so `--block-size`
+/// left unset means 16 everywhere; an engine that stores other blocks is then named by the
+/// plane's block-size warning and `GET /workers` (`foreign_block_size`), not refused in silence.
+pub const FALLBACK_BLOCK_SIZE_TOKENS: usize = 16;
+/// Largest `--block-size` accepted: engines' pages are tens to hundreds of tokens; a larger value
+/// is a typo that would leave every prompt shorter than one block.
+pub const BLOCK_SIZE_TOKENS_MAX: u32 = 65_536;
+
 /// Largest `/v1/models` body read when `/server_info` does not name the model.
 pub const MODELS_BODY_MAX_BYTES: usize = 1024 * 1024;
 /// Time budget of the `/v1/models` fallback lookup.
@@ -104,7 +113,12 @@ impl KvBridge {
         oracle: Option<Arc<dyn PrefixOracle>>,
     ) -> Result<KvBridge, KvPlaneError> {
         let cfg = KvPlaneConfig {
-            default_block_size: defaults.block_size.map(|b| b as u32),
+            // A size past u32 cannot be an engine's; the plane's default then matches no event
+            // and the block-size warning names the engines' real one.
+            default_block_size: Some(
+                u32::try_from(defaults.block_size.unwrap_or(FALLBACK_BLOCK_SIZE_TOKENS))
+                    .unwrap_or(u32::MAX),
+            ),
             ..KvPlaneConfig::default()
         };
         let plane = KvPlane::new(cfg, registry)?;
@@ -354,6 +368,8 @@ impl KvBridge {
                     "lost_batches": s.lost_batches, "replays": s.replays,
                     "publisher_restarts": s.publisher_restarts,
                     "history_complete": s.history_complete,
+                    "skipped_blocks": skipped_blocks_json(&s.skipped_blocks),
+                    "foreign_block_size": s.foreign_block_size,
                     "bootstrap": {
                         "state": s.bootstrap.label(),
                         "outcome": s.bootstrap.outcome().map(|o| o.label()),
@@ -363,6 +379,16 @@ impl KvBridge {
             })
             .collect()
     }
+}
+
+/// What the index did not take from a rank's events, by reason (the metric's labels).
+fn skipped_blocks_json(skipped: &kvroute_index::SkippedBlocks) -> serde_json::Value {
+    skipped
+        .by_reason()
+        .into_iter()
+        .map(|(reason, blocks)| (reason.to_string(), serde_json::Value::from(blocks)))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
 }
 
 /// The block hashes the index keys its nodes by (base namespace), for `tokens` at `block_size`.
