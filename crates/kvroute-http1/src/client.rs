@@ -87,6 +87,12 @@ struct Target<'a> {
     prefix: &'a str,
 }
 
+/// Whether the data path can send to a worker at `url`: a worker is refused when it is
+/// registered, not at its first request (where every request would fail the same way).
+pub fn check_base_url(url: &str) -> Result<(), UpstreamError> {
+    parse_base_url(url).map(|_| ())
+}
+
 fn parse_base_url(url: &str) -> Result<Target<'_>, UpstreamError> {
     let bad = |reason: &str| UpstreamError::BadUrl {
         url: url.to_string(),
@@ -94,7 +100,9 @@ fn parse_base_url(url: &str) -> Result<Target<'_>, UpstreamError> {
     };
     let rest = url
         .strip_prefix("http://")
-        .ok_or_else(|| bad("only http:// engines are supported on the data path"))?;
+        .ok_or_else(|| {
+            bad("only http:// engines are supported: the data path speaks plain HTTP/1.1 to the engines (terminate TLS in front of the router, not between it and them)")
+        })?;
     let (authority, prefix) = match rest.find('/') {
         Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
         None => (rest, ""),

@@ -463,6 +463,11 @@ mod tests {
         assert_eq!(w.model, None);
         assert!(WorkerSpec::parse("127.0.0.1:8000").is_err());
         assert!(WorkerSpec::parse("http://h:1@").is_err());
+        // What the data path cannot send to is refused at registration, not at every request.
+        for bad in ["https://h:1", "http://exa mple:1", "http://h:1/x?y"] {
+            let err = WorkerSpec::parse(bad).expect_err(bad);
+            assert!(err.contains("http"), "{bad}: {err}");
+        }
     }
 
     #[test]
