@@ -86,7 +86,9 @@ if [ "${SKIP_INSTALL:-0}" != 1 ]; then
       "sglang-router==0.3.2" "vllm-router==0.1.17" >"$out/pip.log" 2>&1
   fi
 fi
-"$venv/bin/pip" list 2>/dev/null | grep -Ei '^(sglang-router|vllm-router) ' >"$out/peer-versions.txt"
+# Without the venv (SKIP_INSTALL=1 on a machine that never had it) the list is empty rather than
+# the end of the run: a run whose ROWS leave the peers out needs none.
+"$venv/bin/pip" list 2>/dev/null | grep -Ei '^(sglang-router|vllm-router) ' >"$out/peer-versions.txt" || true
 nginx -v 2>"$out/nginx-version.txt" || true
 
 ROUTER_PROFILE="${ROUTER_PROFILE:-production}"
