@@ -36,14 +36,10 @@ loadgen="$root/target/release/kvroute-loadgen"
 
 out="$root/target/bench-cpu/$(date -u +%Y%m%dT%H%M%SZ)"
 ng="$out/nginx"
-mkdir -p "$ng"/{body,proxy,fastcgi,uwsgi,scgi}
 NG_A=$((PORT_BASE + 1)); NG_B=$((PORT_BASE + 2)); ROUTER=$((PORT_BASE + 5))
-sed -e "s|@PREFIX@|$ng|g" "$root/bench/nginx-common-locations.conf" >"$ng/common-locations.conf"
-sed -e "s|@PREFIX@|$ng|g" -e "s|@PORT_A@|$NG_A|" -e "s|@PORT_B@|$NG_B|" \
-  -e "s|@PORT_PROXY@|$((PORT_BASE + 3))|" -e "s|@KV_PORT_A@|$((PORT_BASE + 7))|" \
-  -e "s|@KV_PORT_B@|$((PORT_BASE + 8))|" -e "s|@REPLAY_PORT_A@|$((PORT_BASE + 9))|" \
-  -e "s|@REPLAY_PORT_B@|$((PORT_BASE + 10))|" \
-  "$root/bench/nginx-backend.conf.in" >"$ng/nginx.conf"
+# KV and replay ports no publisher listens on: cache-aware then routes on an empty index.
+write_nginx_backend_conf "$ng" "$NG_A" "$NG_B" "$((PORT_BASE + 3))" "$((PORT_BASE + 7))" \
+  "$((PORT_BASE + 9))"
 python3 -c 'import json; print(json.dumps({"model": "kvroute-sim", "prompt": [(i * 7919) % 50000 + 1 for i in range(2048)], "max_tokens": 1}))' >"$out/body.json"
 
 nginx -p "$ng" -c "$ng/nginx.conf" -g 'daemon off;' >"$ng/stdout.log" 2>&1 &

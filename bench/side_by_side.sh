@@ -164,12 +164,7 @@ ROUTER=$((PORT_BASE + 301)); PROM=$((PORT_BASE + 401))
 
 # ------------------------------------------------------------------------- backends (nginx, sims) ---
 ng="$out/nginx"
-mkdir -p "$ng"/{body,proxy,fastcgi,uwsgi,scgi}
-sed -e "s|@PREFIX@|$ng|g" "$root/bench/nginx-common-locations.conf" >"$ng/common-locations.conf"
-sed -e "s|@PREFIX@|$ng|g" -e "s|@PORT_A@|$NG_A|" -e "s|@PORT_B@|$NG_B|" -e "s|@PORT_PROXY@|$NG_PROXY|" \
-  -e "s|@KV_PORT_A@|$PUB_KV|" -e "s|@KV_PORT_B@|$((PUB_KV + 1))|" \
-  -e "s|@REPLAY_PORT_A@|$PUB_REPLAY|" -e "s|@REPLAY_PORT_B@|$((PUB_REPLAY + 1))|" \
-  "$root/bench/nginx-backend.conf.in" >"$ng/nginx.conf"
+write_nginx_backend_conf "$ng" "$NG_A" "$NG_B" "$NG_PROXY" "$PUB_KV" "$PUB_REPLAY"
 sim_pub_pid=""; sim_serv_pid=""; sim_vpub_pid=""; backend_restarts=0
 alive() { [ -n "$1" ] && kill -0 "$1" 2>/dev/null; }
 # (Re)starts whichever backend is not running. Other jobs on a shared machine have been seen

@@ -265,12 +265,7 @@ pub struct SkippedBlocks {
 
 impl SkippedBlocks {
     pub fn total(&self) -> u64 {
-        self.block_size
-            + self.token_count
-            + self.unknown_parent
-            + self.unknown_medium
-            + self.shard_full
-            + self.unknown_removed
+        self.by_reason().iter().map(|(_, blocks)| blocks).sum()
     }
 
     /// `(metric label, count)` per reason, in a fixed order.
@@ -283,6 +278,17 @@ impl SkippedBlocks {
             ("shard_full", self.shard_full),
             ("unknown_removed", self.unknown_removed),
         ]
+    }
+}
+
+impl std::ops::AddAssign for SkippedBlocks {
+    fn add_assign(&mut self, other: SkippedBlocks) {
+        self.block_size += other.block_size;
+        self.token_count += other.token_count;
+        self.unknown_parent += other.unknown_parent;
+        self.unknown_medium += other.unknown_medium;
+        self.shard_full += other.shard_full;
+        self.unknown_removed += other.unknown_removed;
     }
 }
 

@@ -1133,13 +1133,7 @@ fn note_skipped(
                 .inc_by(blocks);
         }
     }
-    let total = &mut rank.skipped;
-    total.block_size += report.skipped.block_size;
-    total.token_count += report.skipped.token_count;
-    total.unknown_parent += report.skipped.unknown_parent;
-    total.unknown_medium += report.skipped.unknown_medium;
-    total.shard_full += report.skipped.shard_full;
-    total.unknown_removed += report.skipped.unknown_removed;
+    rank.skipped += report.skipped;
     status.set_skipped(
         key,
         rank.incarnation,

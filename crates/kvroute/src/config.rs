@@ -56,11 +56,8 @@ impl WorkerSpec {
             _ => (s, None),
         };
         let url = url.trim_end_matches('/').to_string();
-        if !url.starts_with("http://") {
-            return Err(format!(
-                "worker url must start with http:// (the data path speaks plain HTTP/1.1 to engines): {s}"
-            ));
-        }
+        // The data path's own check (http:// only, a host and path a request line can carry):
+        // what it would refuse at every request is refused here, once.
         kvroute_http1::client::check_base_url(&url).map_err(|e| e.to_string())?;
         if model.as_deref() == Some("") {
             return Err(format!("empty model after '@' in {s}"));
