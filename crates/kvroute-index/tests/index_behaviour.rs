@@ -82,6 +82,68 @@ fn a_side_map_grown_ahead_of_need_keeps_every_entry_reachable() {
     assert_eq!(w.side_map_room(RankId(99)), None);
 }
 
+/// A large map grows by reading its keys in batches, through nodes of either kind (a carrier of
+/// its own, or a list shared with another rank), with tombstones left by removals; every entry
+/// must still be found afterwards, by a child store and by a removal.
+#[test]
+fn a_large_side_map_grown_in_batches_keeps_every_entry_reachable() {
+    const BLOCKS: usize = 12_000;
+    const SHARED: usize = 5_000;
+    const REMOVED_TAIL: usize = 1_500;
+    const PER_EVENT: usize = 100;
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let a = w.add_rank(rank_ref(0));
+    let b = w.add_rank(rank_ref(1));
+    let t = tokens(9, BLOCKS, BS);
+    let a_hash = |i: usize| i as u64 + 1;
+    let b_hash = |i: usize| 1_000_000 + i as u64;
+    let per_event = PER_EVENT * BS as usize;
+    for (e, chunk) in t.chunks(per_event).enumerate() {
+        let first = e * PER_EVENT;
+        let hashes: Vec<u64> = (first..first + PER_EVENT).map(a_hash).collect();
+        let parent = first.checked_sub(1).map(a_hash);
+        w.apply_event(a, &stored(&hashes, parent, chunk.to_vec(), BS, None));
+        if first < SHARED {
+            let hashes: Vec<u64> = (first..first + PER_EVENT).map(b_hash).collect();
+            let parent = first.checked_sub(1).map(b_hash);
+            w.apply_event(b, &stored(&hashes, parent, chunk.to_vec(), BS, None));
+        }
+    }
+    assert_eq!(r.rank_stats(a).unwrap().carried_blocks, BLOCKS as u64);
+    assert_eq!(r.rank_stats(b).unwrap().carried_blocks, SHARED as u64);
+    let kept = BLOCKS - REMOVED_TAIL;
+    let tail: Vec<u64> = (kept..BLOCKS).map(a_hash).collect();
+    w.apply_event(a, &removed(&tail, None));
+    for _ in 0..3 {
+        let (room, entries) = w.side_map_room(a).expect("registered");
+        assert_eq!(entries, kept);
+        w.grow_side_map(a);
+        let (grown_room, grown_entries) = w.side_map_room(a).expect("registered");
+        assert_eq!(grown_entries, kept, "a growth keeps every entry");
+        assert!(grown_room > room, "{grown_room} <= {room}");
+    }
+    let h = hashes_of(&t, BS);
+    assert_eq!(match_of(&r, &h, a), (kept as u32, kept as u32));
+    // A child finds its parent (a node of a's own) through the grown map.
+    w.apply_event(
+        a,
+        &stored(
+            &[a_hash(kept)],
+            Some(a_hash(kept - 1)),
+            t[kept * BS as usize..(kept + 1) * BS as usize].to_vec(),
+            BS,
+            None,
+        ),
+    );
+    assert_eq!(match_of(&r, &h, a), (kept as u32 + 1, kept as u32 + 1));
+    // Every entry is found by its removal, through shared nodes and own ones alike.
+    let all: Vec<u64> = (0..=kept).map(a_hash).collect();
+    w.apply_event(a, &removed(&all, None));
+    assert_eq!(r.rank_stats(a).unwrap().carried_blocks, 0);
+    assert_eq!(r.rank_stats(b).unwrap().carried_blocks, SHARED as u64);
+    assert_eq!(match_of(&r, &h, b), (SHARED as u32, SHARED as u32));
+}
+
 #[test]
 fn blocks_with_an_unknown_parent_are_dropped_and_counted() {
     let (mut w, r) = PrefixIndex::new(cfg());
