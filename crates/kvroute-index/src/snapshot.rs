@@ -324,6 +324,24 @@ impl IndexReader {
 
     /// [`IndexReader::export_snapshot`], with what the walk saw of the writer.
     pub fn export_snapshot_with_report(&self) -> (IndexSnapshot, ExportReport) {
+        let (nodes, carriers) = self.export_column_hints();
+        self.export_snapshot_into(SnapshotNodes::with_capacity(nodes, carriers))
+    }
+
+    /// The room an export's columns need for what the index holds now, as (nodes, carriers):
+    /// bounded by the index's own cap on carried pairs, and by its nodes.
+    pub fn export_column_hints(&self) -> (usize, usize) {
+        let carriers = self
+            .shared
+            .total_carried_hint()
+            .min(self.shared.cfg.max_carried_blocks) as usize;
+        (self.node_count() as usize, carriers)
+    }
+
+    /// [`IndexReader::export_snapshot_with_report`] into `columns` the caller allocated (cleared
+    /// first, grown only if smaller than [`IndexReader::export_column_hints`]), so a caller can
+    /// prepare their memory while the walk fills them.
+    pub fn export_snapshot_into(&self, columns: SnapshotNodes) -> (IndexSnapshot, ExportReport) {
         let shared = &self.shared;
         let table: Vec<(u32, Arc<crate::index::RankShared>)> = shared
             .ranks
@@ -340,23 +358,26 @@ impl IndexReader {
             snap_rank_of_id[*id as usize] = pos as u32;
         }
 
-        // Every column sized once to what the index holds now (bounded by the index's own cap
-        // on carried pairs, and by its nodes): grown by doubling instead, a column is written
-        // about twice over and copied at each step, and at 1,024 ranks the carrier columns
-        // passed the old fixed cap of 50 M and doubled to room for 200 M. On a host where first
-        // touches of memory are slow, that writing is most of an export's time.
-        let carriers_hint = shared
-            .total_carried_hint()
-            .min(shared.cfg.max_carried_blocks) as usize;
-        let nodes_hint = self.node_count() as usize;
-        let mut out = SnapshotNodes {
-            parent: Vec::with_capacity(nodes_hint),
-            content_hash: Vec::with_capacity(nodes_hint),
-            carrier_end: Vec::with_capacity(nodes_hint),
-            carrier_rank: Vec::with_capacity(carriers_hint),
-            carrier_tiers: Vec::with_capacity(carriers_hint),
-            carrier_engine_hash: Vec::with_capacity(carriers_hint),
-        };
+        // Every column sized once to what the index holds now: grown by doubling instead, a
+        // column is written about twice over and copied at each step, and at 1,024 ranks the
+        // carrier columns passed the old fixed cap of 50 M and doubled to room for 200 M. On a
+        // host where first touches of memory are slow, that writing is most of an export's time.
+        let (nodes_hint, carriers_hint) = self.export_column_hints();
+        let mut out = columns;
+        for (column, room) in [
+            (&mut out.parent, nodes_hint),
+            (&mut out.carrier_end, nodes_hint),
+            (&mut out.carrier_rank, carriers_hint),
+        ] {
+            column.clear();
+            column.reserve(room);
+        }
+        out.content_hash.clear();
+        out.content_hash.reserve(nodes_hint);
+        out.carrier_tiers.clear();
+        out.carrier_tiers.reserve(carriers_hint);
+        out.carrier_engine_hash.clear();
+        out.carrier_engine_hash.reserve(carriers_hint);
         let mut carried_per_rank = vec![0u64; table.len()];
         let mut recs: Vec<Rec> = Vec::new();
         let mut tmp_carriers: Vec<(u32, u8, u64)> = Vec::new();

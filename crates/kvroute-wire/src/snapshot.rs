@@ -55,6 +55,18 @@ pub struct SnapshotNodes {
 }
 
 impl SnapshotNodes {
+    /// Empty columns with room for `nodes` nodes and `carriers` carriers.
+    pub fn with_capacity(nodes: usize, carriers: usize) -> Self {
+        SnapshotNodes {
+            parent: Vec::with_capacity(nodes),
+            content_hash: Vec::with_capacity(nodes),
+            carrier_end: Vec::with_capacity(nodes),
+            carrier_rank: Vec::with_capacity(carriers),
+            carrier_tiers: Vec::with_capacity(carriers),
+            carrier_engine_hash: Vec::with_capacity(carriers),
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.parent.len()
     }

@@ -20,5 +20,6 @@ pub mod load_frame;
 pub mod load_share;
 pub mod load_share_tasks;
 pub mod owner_standings;
+pub mod prefault;
 pub mod producer;
 pub mod protocol;

@@ -31,13 +31,14 @@
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::future::{BoxFuture, Shared};
 use kvroute_index::IndexReader;
 use kvroute_snapshot::{Compression, EncodeOptions};
-use kvroute_wire::snapshot::{IndexSnapshot, RankCursor, RankRef, SNAPSHOT_FORMAT};
+use kvroute_wire::snapshot::{IndexSnapshot, RankCursor, RankRef, SNAPSHOT_FORMAT, SnapshotNodes};
 use parking_lot::Mutex;
 use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts};
 use tokio::sync::Semaphore;
@@ -47,6 +48,7 @@ pub use crate::peer::body_tee::{
     SNAPSHOT_STREAM_CHUNK_BYTES, SNAPSHOT_STREAM_CHUNKS_IN_FLIGHT_MAX,
     SNAPSHOT_STREAM_JOIN_WINDOW_BYTES, SNAPSHOT_STREAM_STALL_MS_MAX,
 };
+use crate::peer::prefault::{self, Room};
 
 /// Default `max_age_ms` of `GET /internal/kv_snapshot`: a cached export younger than this is
 /// served again instead of walking the index.
@@ -414,7 +416,8 @@ impl SnapshotProducer {
                 // Judged before the walk, like the cursors the export reads first.
                 let has_cursor = index_has_cursor(&reader);
                 let complete_before = complete_ranks();
-                let (mut snapshot, report) = reader.export_snapshot_with_report();
+                let (snapshot, report, prefault) = export_prefaulted(&reader);
+                let mut snapshot = snapshot;
                 snapshot.producer_ready = replica_ready && has_cursor;
                 let carrying_nothing = snapshot.empty_ranks.len();
                 let complete_after = complete_ranks();
@@ -430,6 +433,8 @@ impl SnapshotProducer {
                     empty_unproven = carrying_nothing - snapshot.empty_ranks.len(),
                     partial_ranks = snapshot.partial_ranks.len(),
                     walk_ms = started.elapsed().as_millis() as u64,
+                    prefaulted_bytes = prefault.bytes_populated,
+                    prefault_refused = prefault.calls_refused,
                     "index exported"
                 );
                 (model_name, Arc::new(Export::new(stamp, snapshot)))
@@ -612,6 +617,43 @@ pub fn cursor_table(reader: &IndexReader) -> CursorTable {
         ranks,
         cursors,
     }
+}
+
+/// The walk, into columns a helper thread makes resident from their far end while the walk fills
+/// them from the front ([`crate::peer::prefault`]): on a host where first touches of memory are
+/// slow, their page faults were half of the walk. The helper is stopped and joined when the walk
+/// returns, before the columns can be freed.
+fn export_prefaulted(
+    reader: &IndexReader,
+) -> (
+    IndexSnapshot,
+    kvroute_index::ExportReport,
+    prefault::PrefaultReport,
+) {
+    let (nodes, carriers) = reader.export_column_hints();
+    let columns = SnapshotNodes::with_capacity(nodes, carriers);
+    let rooms = [
+        Room::of(&columns.parent),
+        Room::of(&columns.content_hash),
+        Room::of(&columns.carrier_end),
+        Room::of(&columns.carrier_rank),
+        Room::of(&columns.carrier_tiers),
+        Room::of(&columns.carrier_engine_hash),
+    ];
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let helper = std::thread::Builder::new()
+            .name("kvroute-prefault".into())
+            .spawn_scoped(scope, || prefault::populate_from_back(&rooms, &stop));
+        let (snapshot, report) = reader.export_snapshot_into(columns);
+        stop.store(true, Ordering::Relaxed);
+        let prefaulted = match helper {
+            Ok(h) => h.join().unwrap_or_default(),
+            // No thread to spare: the walk faults its pages in itself, as it always could.
+            Err(_) => prefault::PrefaultReport::default(),
+        };
+        (snapshot, report, prefaulted)
+    })
 }
 
 /// True when at least one rank of the index has a cursor (the index has seen events).
