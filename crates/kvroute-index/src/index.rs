@@ -1013,7 +1013,9 @@ fn side_grow_batched(
     rank: u32,
 ) {
     let key_of = |r: u32| mix_engine(engine_in(shared, guards, r, rank).unwrap_or(0));
-    let buckets = prev_power_of_two(side.allocation_size() / (std::mem::size_of::<u32>() + 1));
+    let buckets = (side.allocation_size() / (std::mem::size_of::<u32>() + 1))
+        .checked_ilog2()
+        .map_or(0, |bits| 1usize << bits);
     let full_capacity = buckets / 8 * 7;
     let wanted = side.len().saturating_add(additional);
     let capacity = if wanted <= full_capacity / 2 {
@@ -1049,14 +1051,6 @@ fn side_grow_batched(
     }
     file(&mut grown, &batch[..filled]);
     *side = grown;
-}
-
-fn prev_power_of_two(n: usize) -> usize {
-    if n == 0 {
-        0
-    } else {
-        1 << (usize::BITS - 1 - n.leading_zeros())
-    }
 }
 
 /// [`Shared::engine_at`] through guards from [`Shared::read_all`].

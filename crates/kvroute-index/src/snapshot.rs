@@ -364,20 +364,7 @@ impl IndexReader {
         // host where first touches of memory are slow, that writing is most of an export's time.
         let (nodes_hint, carriers_hint) = self.export_column_hints();
         let mut out = columns;
-        for (column, room) in [
-            (&mut out.parent, nodes_hint),
-            (&mut out.carrier_end, nodes_hint),
-            (&mut out.carrier_rank, carriers_hint),
-        ] {
-            column.clear();
-            column.reserve(room);
-        }
-        out.content_hash.clear();
-        out.content_hash.reserve(nodes_hint);
-        out.carrier_tiers.clear();
-        out.carrier_tiers.reserve(carriers_hint);
-        out.carrier_engine_hash.clear();
-        out.carrier_engine_hash.reserve(carriers_hint);
+        out.clear_with_room(nodes_hint, carriers_hint);
         let mut carried_per_rank = vec![0u64; table.len()];
         let mut recs: Vec<Rec> = Vec::new();
         let mut tmp_carriers: Vec<(u32, u8, u64)> = Vec::new();

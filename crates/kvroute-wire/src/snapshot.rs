@@ -57,14 +57,26 @@ pub struct SnapshotNodes {
 impl SnapshotNodes {
     /// Empty columns with room for `nodes` nodes and `carriers` carriers.
     pub fn with_capacity(nodes: usize, carriers: usize) -> Self {
-        SnapshotNodes {
-            parent: Vec::with_capacity(nodes),
-            content_hash: Vec::with_capacity(nodes),
-            carrier_end: Vec::with_capacity(nodes),
-            carrier_rank: Vec::with_capacity(carriers),
-            carrier_tiers: Vec::with_capacity(carriers),
-            carrier_engine_hash: Vec::with_capacity(carriers),
-        }
+        let mut columns = SnapshotNodes::default();
+        columns.clear_with_room(nodes, carriers);
+        columns
+    }
+
+    /// Empties every column and makes sure each has room for `nodes` nodes and `carriers`
+    /// carriers (a column already that large keeps its allocation).
+    pub fn clear_with_room(&mut self, nodes: usize, carriers: usize) {
+        self.parent.clear();
+        self.parent.reserve(nodes);
+        self.content_hash.clear();
+        self.content_hash.reserve(nodes);
+        self.carrier_end.clear();
+        self.carrier_end.reserve(nodes);
+        self.carrier_rank.clear();
+        self.carrier_rank.reserve(carriers);
+        self.carrier_tiers.clear();
+        self.carrier_tiers.reserve(carriers);
+        self.carrier_engine_hash.clear();
+        self.carrier_engine_hash.reserve(carriers);
     }
 
     pub fn len(&self) -> usize {

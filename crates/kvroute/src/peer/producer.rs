@@ -416,8 +416,7 @@ impl SnapshotProducer {
                 // Judged before the walk, like the cursors the export reads first.
                 let has_cursor = index_has_cursor(&reader);
                 let complete_before = complete_ranks();
-                let (snapshot, report, prefault) = export_prefaulted(&reader);
-                let mut snapshot = snapshot;
+                let (mut snapshot, report, prefault) = export_prefaulted(&reader);
                 snapshot.producer_ready = replica_ready && has_cursor;
                 let carrying_nothing = snapshot.empty_ranks.len();
                 let complete_after = complete_ranks();
