@@ -581,3 +581,100 @@ async fn armed_stalls_hold_a_stream_after_its_first_chunk_or_before_its_head_onc
     assert_eq!(stats["faults"]["head_stalls_armed"], 0, "{stats}");
     fleet.shutdown().await;
 }
+
+/// The end of a TCP connection in this process whose local port is `local_port` and whose peer
+/// port is `peer_port`, found among this process's open file descriptors (the server and the
+/// client of these tests share the process).
+fn tcp_fd_in_this_process(local_port: u16, peer_port: u16) -> Option<i32> {
+    fn port_of(fd: i32, peer: bool) -> Option<u16> {
+        // SAFETY: `addr` is a zeroed sockaddr_storage, large enough for any address, and `len`
+        // holds its size; the calls write at most `len` bytes and fail harmlessly (ENOTSOCK,
+        // EBADF) on a descriptor that is not a socket or was closed meanwhile.
+        unsafe {
+            let mut addr: libc::sockaddr_storage = std::mem::zeroed();
+            let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            let addr_ptr = &mut addr as *mut libc::sockaddr_storage as *mut libc::sockaddr;
+            let rc = if peer {
+                libc::getpeername(fd, addr_ptr, &mut len)
+            } else {
+                libc::getsockname(fd, addr_ptr, &mut len)
+            };
+            if rc != 0 || addr.ss_family as i32 != libc::AF_INET {
+                return None;
+            }
+            let v4 = &*(addr_ptr as *const libc::sockaddr_in);
+            Some(u16::from_be(v4.sin_port))
+        }
+    }
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd lists this process's descriptors")
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .find(|&fd| port_of(fd, false) == Some(local_port) && port_of(fd, true) == Some(peer_port))
+}
+
+fn nodelay_of(fd: i32) -> bool {
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `value` is a c_int and `len` its size, as TCP_NODELAY's getsockopt expects.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            &mut value as *mut libc::c_int as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    assert_eq!(rc, 0, "getsockopt(TCP_NODELAY) on fd {fd}");
+    value != 0
+}
+
+/// SGLang and vLLM serve HTTP through uvicorn on asyncio (or uvloop), which turns Nagle off on
+/// every TCP connection. With Nagle on, a streamed answer's first chunk, written after a prefill
+/// shorter than the client's delayed ACK, waits for the ACK of the response head written before
+/// the prefill: up to 40 ms added to every short prefill's time to first token, which the demo's
+/// later turns measured as ~46 ms for an 11 ms prefill. The simulator must answer like the
+/// engines it stands in for.
+// Multi-threaded: the test's blocking socket calls must not stall the server's runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_http_connections_send_without_nagle_as_the_engines_do() {
+    use std::io::{Read, Write};
+    let fleet = fleet(SimConfig::for_tests()).await;
+    let server_port = fleet.engines[0].ports().http;
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", server_port)).expect("connect");
+    let client_port = conn.local_addr().expect("client address").port();
+    // A served request proves the server has accepted the connection (and tuned it). The
+    // connection is kept alive, so the server's end is still open when it is looked up.
+    conn.write_all(b"GET /health HTTP/1.1\r\nhost: sim\r\n\r\n")
+        .expect("request written");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = conn.read(&mut buf).expect("answer read");
+        assert!(
+            n > 0,
+            "connection closed before the answer's head: {answer:?}"
+        );
+        answer.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200"),
+        "health answered: {:?}",
+        String::from_utf8_lossy(&answer)
+    );
+    let server_end = tcp_fd_in_this_process(server_port, client_port).unwrap_or_else(|| {
+        panic!(
+            "the server's end of 127.0.0.1:{client_port} -> :{server_port} is open in this process"
+        )
+    });
+    assert!(
+        nodelay_of(server_end),
+        "the simulator's accepted connection must have TCP_NODELAY set"
+    );
+    // The control: the client's end, which nothing tuned, has Nagle on, so the check can fail.
+    let client_end = tcp_fd_in_this_process(client_port, server_port).expect("client's end");
+    assert!(
+        !nodelay_of(client_end),
+        "an untuned socket reports Nagle on"
+    );
+}
