@@ -629,6 +629,9 @@ fn nodelay_of(fd: i32) -> bool {
     value != 0
 }
 
+/// Largest response head the Nagle test reads from `/health` (a status line and a few headers).
+const HEALTH_HEAD_BYTES_MAX: usize = 16 * 1024;
+
 /// SGLang and vLLM serve HTTP through uvicorn on asyncio (or uvloop), which turns Nagle off on
 /// every TCP connection. With Nagle on, a streamed answer's first chunk, written after a prefill
 /// shorter than the client's delayed ACK, waits for the ACK of the response head written before
@@ -643,6 +646,8 @@ async fn accepted_http_connections_send_without_nagle_as_the_engines_do() {
     let server_port = fleet.engines[0].ports().http;
     let mut conn = std::net::TcpStream::connect(("127.0.0.1", server_port)).expect("connect");
     let client_port = conn.local_addr().expect("client address").port();
+    conn.set_read_timeout(Some(Duration::from_millis(WAIT_MS)))
+        .expect("read timeout set");
     // A served request proves the server has accepted the connection (and tuned it). The
     // connection is kept alive, so the server's end is still open when it is looked up.
     conn.write_all(b"GET /health HTTP/1.1\r\nhost: sim\r\n\r\n")
@@ -650,7 +655,13 @@ async fn accepted_http_connections_send_without_nagle_as_the_engines_do() {
     let mut answer = Vec::new();
     let mut buf = [0u8; 1024];
     while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = conn.read(&mut buf).expect("answer read");
+        assert!(
+            answer.len() <= HEALTH_HEAD_BYTES_MAX,
+            "no end of head in {HEALTH_HEAD_BYTES_MAX} bytes: {answer:?}"
+        );
+        let n = conn
+            .read(&mut buf)
+            .unwrap_or_else(|e| panic!("answer's head within {WAIT_MS} ms: {e}; read {answer:?}"));
         assert!(
             n > 0,
             "connection closed before the answer's head: {answer:?}"
