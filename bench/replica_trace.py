@@ -48,11 +48,6 @@ def field(decision, name):
 
 
 def quantile(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
-def quantile_nearest_rank(values, q):
     """The demo's percentile: the nearest-rank value (the ceil(q * n)-th smallest)."""
     values = sorted(values)
     return values[max(0, math.ceil(q * len(values)) - 1)] if values else float("nan")
@@ -85,7 +80,7 @@ def main():
     for (row, _round), requests in runs.items():
         out = rows[row]
         out["rounds"].append(1)
-        out["round_p90"].append(quantile_nearest_rank([r["ttft_ms"] for r in requests], 0.9))
+        out["round_p90"].append(quantile([r["ttft_ms"] for r in requests], 0.9))
         last_placement = {}
         for r in sorted(requests, key=lambda r: r["sent_ms"]):
             tenant = r.get("tenant")
