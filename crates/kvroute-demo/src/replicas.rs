@@ -79,6 +79,15 @@ pub struct SweepArgs {
     #[arg(long, default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(0..=kvroute::data_plane::DATA_PLANE_THREADS_MAX as u64))]
     pub replica_data_plane_threads: u64,
+    /// Slow motion: every duration of the simulated engines (overhead, prefill and decode per
+    /// token, load reports) and of the routers' clocks (cost model, pending prefixes, load
+    /// frames and their staleness, the owner's timeout) times this factor, in every row. The
+    /// routers' and the client's CPU work per request stays what it is, so on this machine it
+    /// weighs 1/K as much against the engines' times: a control for what the replicas' share
+    /// of two cores costs routing, against what placement by several routers costs it.
+    #[arg(long, default_value_t = 1,
+          value_parser = clap::value_parser!(u64).range(1..=SWEEP_TIME_SCALE_MAX))]
+    pub replica_time_scale: u64,
 }
 
 impl Default for SweepArgs {
@@ -94,8 +103,63 @@ impl Default for SweepArgs {
             replica_through_one: false,
             replica_trace_out: None,
             replica_data_plane_threads: 0,
+            replica_time_scale: 1,
         }
     }
+}
+
+/// Largest `--replica-time-scale`: 16 x the demo's engine times keeps a sweep of 20 rounds under
+/// an hour here.
+pub const SWEEP_TIME_SCALE_MAX: u64 = 16;
+
+/// Slows one row's simulated engines down by `scale` (`--replica-time-scale`); its routers get
+/// the same factor from [`slow_down_router`].
+fn slow_down_engines(scale: u64, sim: &mut kvroute_sim::SimConfig) {
+    // `speed` divides every simulated duration: overhead, prefill, host-tier loads, decode.
+    sim.speed /= scale as f64;
+    sim.load_interval_ms *= scale;
+}
+
+/// Slows one router's clocks down by `scale`, with its engines ([`slow_down_engines`]).
+///
+/// Every time constant the routing depends on is scaled, or the slowed run would compare a
+/// different policy: the cost model's per-token and per-request prices (its costs are in
+/// engine time), how long a pending prefix counts, how often bookings are shared and when a
+/// silent sibling's are dropped, how long an asker waits for the owner. Limits the routers
+/// enforce still hold: a scaled value past one is an error naming the flag, not a clamp that
+/// would silently change the policy.
+fn slow_down_router(scale: u64, router: &mut kvroute::RouterConfig) -> Result<(), String> {
+    use kvroute::config::{COLD_OWNER_TIMEOUT_MS_MAX, LOAD_SHARE_INTERVAL_MS_MAX};
+    let weights = &mut router.weights;
+    weights.prefill_cost_us_per_token *= scale as f64;
+    weights.decode_penalty_us_per_request *= scale as f64;
+    weights.temperature_ms *= scale as f64;
+    router.pending_prefix_ttl_ms *= scale;
+    router.engine_metrics_interval_ms *= scale;
+    let share = &mut router.load_share;
+    share.stale_ms *= scale;
+    for (flag, value, max) in [
+        (
+            "--replica-load-share-interval-ms",
+            &mut share.interval_ms,
+            LOAD_SHARE_INTERVAL_MS_MAX,
+        ),
+        (
+            "--replica-cold-owner-timeout-ms",
+            &mut share.cold_owner_timeout_ms,
+            COLD_OWNER_TIMEOUT_MS_MAX,
+        ),
+    ] {
+        let scaled = *value * scale;
+        if scaled > max {
+            return Err(format!(
+                "--replica-time-scale {scale} takes {flag} {value} to {scaled} ms, over the \
+                 routers' limit of {max} ms"
+            ));
+        }
+        *value = scaled;
+    }
+    Ok(())
 }
 
 /// One row: a replica count, sharing on or off, whether every request goes through the first
@@ -243,13 +307,16 @@ async fn run_once(
     round: u64,
     bar: &indicatif::ProgressBar,
 ) -> Result<SweepRun, String> {
-    let fleet = kvroute_sim::start_fleet(sim_config(args.fleet_prefill, args.capacity_blocks()))
+    let scale = args.sweep.replica_time_scale;
+    let mut sim = sim_config(args.fleet_prefill, args.capacity_blocks());
+    slow_down_engines(scale, &mut sim);
+    let fleet = kvroute_sim::start_fleet(sim)
         .await
         .map_err(|e| e.to_string())?;
     let mut handles = Vec::with_capacity(replicas);
     for i in 0..replicas {
         let seed = args.seed + 1_000 * round + i as u64;
-        let config = kvroute::RouterConfig {
+        let mut config = kvroute::RouterConfig {
             load_share: LoadShareConfig {
                 enabled: sharing,
                 interval_ms: args.sweep.replica_load_share_interval_ms,
@@ -270,6 +337,7 @@ async fn run_once(
                 args.eviction_cost_fraction,
             )
         };
+        slow_down_router(scale, &mut config)?;
         handles.push(kvroute::serve(config).await.map_err(|e| e.to_string())?);
     }
     for (i, h) in handles.iter().enumerate() {
@@ -474,6 +542,7 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
                 "mode": "replica_sweep",
                 "workload": super::workload_json(args),
                 "rounds": args.sweep.replica_rounds,
+                "time_scale": args.sweep.replica_time_scale,
                 "rows": rows.iter().map(row_json).collect::<Vec<_>>(),
                 "total_wall_s": started.elapsed().as_secs_f64(),
             })
@@ -487,6 +556,12 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
             kvroute::data_plane::thread_count(args.sweep.replica_data_plane_threads as usize),
             args.sweep.replica_rounds
         );
+        if args.sweep.replica_time_scale > 1 {
+            println!(
+                "slow motion: engines and routers' clocks {}x slower (times below are in slowed milliseconds)",
+                args.sweep.replica_time_scale
+            );
+        }
         println!(
             "{:<26} {:>9} {:>12} {:>12} {:>12} {:>13} {:>16}",
             "replicas",
@@ -542,6 +617,56 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slow_motion_scales_every_engine_and_router_clock_and_nothing_else() {
+        let (mut sim, mut router) = (
+            kvroute_sim::SimConfig::default(),
+            kvroute::RouterConfig::default(),
+        );
+        router.weights.temperature_ms = 1.5;
+        let (sim_before, router_before) = (sim.clone(), router.clone());
+        slow_down_engines(4, &mut sim);
+        slow_down_router(4, &mut router).expect("the defaults times 4 are within the limits");
+        assert_eq!(sim.speed, sim_before.speed / 4.0);
+        assert_eq!(sim.load_interval_ms, sim_before.load_interval_ms * 4);
+        // The per-token costs are left to `speed`, so they are not scaled twice.
+        assert_eq!(sim.prefill_us_per_token, sim_before.prefill_us_per_token);
+        let (w, w0) = (&router.weights, &router_before.weights);
+        assert_eq!(
+            w.prefill_cost_us_per_token,
+            w0.prefill_cost_us_per_token * 4.0
+        );
+        assert_eq!(
+            w.decode_penalty_us_per_request,
+            w0.decode_penalty_us_per_request * 4.0
+        );
+        assert_eq!(w.temperature_ms, 6.0);
+        // Counts of requests are not times: the load guard is the same policy slowed or not.
+        assert_eq!(w.load_bound_factor, w0.load_bound_factor);
+        assert_eq!(w.load_bound_slack_requests, w0.load_bound_slack_requests);
+        assert_eq!(
+            router.pending_prefix_ttl_ms,
+            router_before.pending_prefix_ttl_ms * 4
+        );
+        assert_eq!(
+            router.engine_metrics_interval_ms,
+            router_before.engine_metrics_interval_ms * 4
+        );
+        let (l, l0) = (&router.load_share, &router_before.load_share);
+        assert_eq!(l.interval_ms, l0.interval_ms * 4);
+        assert_eq!(l.stale_ms, l0.stale_ms * 4);
+        assert_eq!(l.cold_owner_timeout_ms, l0.cold_owner_timeout_ms * 4);
+    }
+
+    #[test]
+    fn slow_motion_past_a_routers_limit_is_refused_naming_the_flag() {
+        let mut router = kvroute::RouterConfig::default();
+        router.load_share.cold_owner_timeout_ms = 100;
+        let err = slow_down_router(SWEEP_TIME_SCALE_MAX, &mut router).unwrap_err();
+        assert!(err.contains("--replica-cold-owner-timeout-ms 100"), "{err}");
+        assert!(err.contains("1000 ms"), "{err}");
+    }
 
     #[test]
     fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {

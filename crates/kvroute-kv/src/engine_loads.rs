@@ -7,19 +7,32 @@
 //! URL, a plan takes the lock once per worker, looks the worker up by `&str` (no key to build)
 //! and reads its ranks from a slice. The pump is the only writer; readers never wait on each
 //! other.
+//!
+//! Each report keeps the instant it arrived: the routing path trusts a report's in-flight count
+//! over the sibling routers' shared bookings only while it is younger than a sibling's frame
+//! could be (an engine that publishes on every change reports a finished request at once, where
+//! a sibling's bookings still count it until its next frame).
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvroute_wire::LoadStat;
 use parking_lot::RwLock;
 
 use crate::status::RankKey;
 
+/// One rank's latest report and when it arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReportedLoad {
+    pub stat: LoadStat,
+    pub received_at: Instant,
+}
+
 /// Latest engine-reported load per worker URL, one slot per DP rank.
 #[derive(Debug, Default)]
 pub struct EngineLoads {
-    by_url: RwLock<HashMap<Arc<str>, Vec<Option<LoadStat>>>>,
+    by_url: RwLock<HashMap<Arc<str>, Vec<Option<ReportedLoad>>>>,
 }
 
 impl EngineLoads {
@@ -30,13 +43,17 @@ impl EngineLoads {
     /// Records `stat` for a rank. Only the pump calls this, for ranks it has registered, so
     /// `dp_rank` is bounded by the worker's registered DP size.
     pub fn set(&self, key: &RankKey, stat: LoadStat) {
+        let reported = ReportedLoad {
+            stat,
+            received_at: Instant::now(),
+        };
         let mut map = self.by_url.write();
         let ranks = map.entry(key.url.clone()).or_default();
         let slot = key.dp_rank as usize;
         if ranks.len() <= slot {
             ranks.resize(slot + 1, None);
         }
-        ranks[slot] = Some(stat);
+        ranks[slot] = Some(reported);
     }
 
     /// Forgets one rank's report (the worker's entry goes with its last rank).
@@ -58,11 +75,12 @@ impl EngineLoads {
             .read()
             .get(url)
             .and_then(|ranks| ranks.get(dp_rank as usize).copied().flatten())
+            .map(|r| r.stat)
     }
 
     /// Calls `read` with every rank's latest report of the worker at `url` (indexed by DP rank;
     /// empty when the engine reports none), under one read lock.
-    pub fn with_worker<R>(&self, url: &str, read: impl FnOnce(&[Option<LoadStat>]) -> R) -> R {
+    pub fn with_worker<R>(&self, url: &str, read: impl FnOnce(&[Option<ReportedLoad>]) -> R) -> R {
         let map = self.by_url.read();
         read(map.get(url).map_or(&[][..], Vec::as_slice))
     }
@@ -98,8 +116,16 @@ mod tests {
         assert_eq!(loads.get("http://a", 0), None, "rank 0 never reported");
         assert_eq!(loads.get("http://a", 9), None, "past the known ranks");
         assert_eq!(loads.get("http://b", 2), None, "another worker");
+        let before = Instant::now();
+        loads.set(&key("http://a", 2), stat(7));
         loads.with_worker("http://a", |ranks| {
-            assert_eq!(ranks, &[None, None, Some(stat(7))]);
+            let stats: Vec<Option<LoadStat>> = ranks.iter().map(|r| r.map(|r| r.stat)).collect();
+            assert_eq!(stats, [None, None, Some(stat(7))]);
+            let arrived = ranks[2].expect("reported").received_at;
+            assert!(
+                arrived >= before && arrived <= Instant::now(),
+                "a report keeps the instant it was recorded"
+            );
         });
         loads.with_worker("http://b", |ranks| assert!(ranks.is_empty()));
     }

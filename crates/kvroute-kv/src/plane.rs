@@ -557,7 +557,7 @@ impl KvPlane {
     pub fn with_engine_loads<R>(
         &self,
         url: &str,
-        read: impl FnOnce(&[Option<LoadStat>]) -> R,
+        read: impl FnOnce(&[Option<crate::engine_loads::ReportedLoad>]) -> R,
     ) -> R {
         self.inner.loads.with_worker(url, read)
     }

@@ -270,10 +270,29 @@ async fn a_sibling_with_another_token_is_refused_and_counts_for_nothing() {
     b.shutdown().await;
 }
 
+/// Requests the wedged sibling books on the engine's rank 0.
+const WEDGED_BOOKINGS: i64 = 5;
+
+/// Starts a wedged sibling booking [`WEDGED_BOOKINGS`] on `engine_url`, makes it `a`'s only
+/// sibling, and waits until `a` has taken its one frame.
+async fn follow_wedged_sibling(a: &kvroute::RouterHandle, engine_url: &str) {
+    let wedged = start_wedged_sibling(engine_url.to_string()).await;
+    a.router
+        .peers
+        .replace([PeerUrl::parse(&wedged).expect("url")]);
+    wait_rank_total(
+        "a to take the wedged sibling's frame",
+        &a.url(),
+        "sibling_in_flight",
+        WEDGED_BOOKINGS,
+    )
+    .await;
+}
+
 /// A sibling that stops talking while keeping its connection open: a test double, because a
 /// real replica in-process cannot be frozen (the fleet harness freezes real processes). It
-/// serves one full frame booking 5 requests on the engine on its first connection, then holds
-/// every connection open without a byte more.
+/// serves one full frame booking [`WEDGED_BOOKINGS`] requests on the engine on its first
+/// connection, then holds every connection open without a byte more.
 async fn start_wedged_sibling(engine_url: String) -> String {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -284,7 +303,9 @@ async fn start_wedged_sibling(engine_url: String) -> String {
             let first = !served.swap(true, Ordering::SeqCst);
             let engine_url = engine_url.clone();
             async move {
-                let frame = format!("{{\"seq\":1,\"full\":[[\"{engine_url}\",0,5,0,0,0]]}}\n");
+                let frame = format!(
+                    "{{\"seq\":1,\"full\":[[\"{engine_url}\",0,{WEDGED_BOOKINGS},0,0,0]]}}\n"
+                );
                 let head = futures::stream::iter(
                     first.then(|| Ok::<_, std::convert::Infallible>(bytes::Bytes::from(frame))),
                 );
@@ -306,17 +327,7 @@ async fn a_silent_siblings_bookings_leave_the_sums_after_the_staleness_bound() {
     let fleet = fleet(1, 1, "m").await;
     let urls = urls(&fleet);
     let a = kvroute::serve(config(&urls, None)).await.expect("a");
-    let wedged = start_wedged_sibling(urls[0].clone()).await;
-    a.router
-        .peers
-        .replace([PeerUrl::parse(&wedged).expect("url")]);
-    wait_rank_total(
-        "a to take the wedged sibling's frame",
-        &a.url(),
-        "sibling_in_flight",
-        5,
-    )
-    .await;
+    follow_wedged_sibling(&a, &urls[0]).await;
     let heard = std::time::Instant::now();
     wait_rank_total(
         "the silent sibling's bookings to leave the sums",
@@ -338,6 +349,68 @@ async fn a_silent_siblings_bookings_leave_the_sums_after_the_staleness_bound() {
         "bookings held {held_for:?}, far past the {STALE_MS} ms bound"
     );
     a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engines_fresh_load_report_outweighs_a_siblings_in_flight_bookings_and_without_one_they_count()
+ {
+    // The wedged sibling books 5 requests on the engine's rank that the engine is not running:
+    // what a sibling's last frame still holds for requests that finished after it. An engine
+    // that pushes its load (SGLang's load feed) has reported them gone; a router that trusts
+    // that report over the frame no longer sees a busy rank. Without a load feed the bookings
+    // are all there is, and they count (the control).
+    for publishing in [true, false] {
+        let fleet = kvroute_sim::start_fleet(kvroute_sim::SimConfig {
+            engines: 1,
+            dp_size: 1,
+            served_model_name: "m".into(),
+            load_publish: publishing,
+            ..kvroute_sim::SimConfig::for_tests()
+        })
+        .await
+        .expect("fleet starts");
+        let urls = urls(&fleet);
+        let a = kvroute::serve(RouterConfig {
+            load_share: LoadShareConfig {
+                // A frame interval longer than the engine's report interval (100 ms), so every
+                // report is younger than a frame here, and a staleness bound that keeps the
+                // wedged sibling's frame for the whole test.
+                interval_ms: kvroute::peer::load_share::LOAD_SHARE_INTERVAL_MS_MAX,
+                stale_ms: 30_000,
+                ..LoadShareConfig::default()
+            },
+            // The vLLM-style scrape is another engine-load source: off, so the control has none.
+            engine_metrics_interval_ms: 0,
+            ..config(&urls, None)
+        })
+        .await
+        .expect("a");
+        wait_subscribed(&a.url(), 1).await;
+        follow_wedged_sibling(&a, &urls[0]).await;
+        let rank = wait_until(
+            "a's plan to carry the engine's pushed report (or, without a feed, none)",
+            WAIT_DEADLINE,
+            || async {
+                let route = debug_route(&a.url(), "how busy is the engine?").await;
+                let rank = route["ranks"][0].clone();
+                let reported = rank["engine_load"].is_object();
+                if reported == publishing {
+                    Ok(rank)
+                } else {
+                    Err(format!("rank as planned: {rank}"))
+                }
+            },
+        )
+        .await;
+        let expected = if publishing { 0 } else { WEDGED_BOOKINGS };
+        assert_eq!(
+            rank["in_flight"].as_i64(),
+            Some(expected),
+            "publishing {publishing}: the rank's in-flight as planned: {rank}"
+        );
+        a.shutdown().await;
+        fleet.shutdown().await;
+    }
 }
 
 /// A long prompt nobody has cached: many blocks, so a pending prefix is visible.

@@ -313,7 +313,7 @@ impl KvBridge {
     pub fn with_engine_loads<R>(
         &self,
         url: &str,
-        read: impl FnOnce(&[Option<kvroute_wire::LoadStat>]) -> R,
+        read: impl FnOnce(&[Option<kvroute_kv::engine_loads::ReportedLoad>]) -> R,
     ) -> R {
         self.plane.with_engine_loads(url, read)
     }

@@ -10,7 +10,7 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::control::registry::{ModelGroup, Worker};
 use crate::control::router::Router;
@@ -355,6 +355,19 @@ impl Router {
         // Where each worker's ranks start among the candidates (`NOT_ROUTABLE` when it has
         // none), so the index's per-rank matches find their candidate by position.
         let mut first_candidate = Vec::with_capacity(group.workers.len());
+        // How old an engine's pushed load report may be and still be trusted over the siblings'
+        // in-flight bookings: younger than one of their frames. Such a report has counted every
+        // router's admitted requests AND already dropped the ones that finished, which a
+        // sibling's bookings keep counting until its next frame: a conversation's next turn,
+        // sent the moment its previous answer ended and reaching another replica, found that
+        // answer still in flight on its own rank, and moved off its cached tail (three times as
+        // often as one router moved such turns; docs/BENCHMARKS.md). What the report has not
+        // seen yet are the siblings' dispatches still in transit, for the time an engine takes
+        // to admit a request; an engine that reports only periodically sends reports older than
+        // a frame, and the bookings count as before. Kept as an instant, so each rank costs one
+        // comparison (a plan may read a thousand ranks).
+        let engine_report_trusted_after =
+            now.checked_sub(Duration::from_millis(self.config.load_share.interval_ms));
         for (position, w) in group.workers.iter().enumerate() {
             if !w.routable(now) {
                 first_candidate.push(NOT_ROUTABLE);
@@ -363,7 +376,13 @@ impl Router {
             first_candidate.push(candidates.len());
             self.kv.with_engine_loads(&w.url, |pushed| {
                 for (r, load) in w.ranks.iter().enumerate() {
-                    let pushed = pushed.get(r).copied().flatten().map(EngineLoad::from);
+                    let reported = pushed.get(r).copied().flatten();
+                    let sibling_in_flight = siblings_in_flight_counted(
+                        load.sibling_in_flight.load(Ordering::Relaxed),
+                        reported.map(|report| report.received_at),
+                        engine_report_trusted_after,
+                    );
+                    let pushed = reported.map(|report| EngineLoad::from(report.stat));
                     candidates.push(RankCandidate {
                         worker_position: position,
                         dp_rank: r as u32,
@@ -371,11 +390,11 @@ impl Router {
                             matched_blocks: 0,
                             device_blocks: 0,
                             pending_blocks: 0,
-                            // Own bookings plus the siblings' (0 without load sharing): what
-                            // the engine has queued from the whole fleet of routers, as far as
-                            // we know.
+                            // Own bookings plus the siblings' (0 without load sharing, or while
+                            // the engine's own report is fresher, above): what the engine has
+                            // queued from the whole fleet of routers, as far as we know.
                             in_flight: load.in_flight.load(Ordering::Relaxed).max(0)
-                                + load.sibling_in_flight.load(Ordering::Relaxed)
+                                + sibling_in_flight
                                 + load.placed_in_flight.load(Ordering::Relaxed).max(0),
                             queued_prefill_tokens: load
                                 .queued_prefill_tokens
@@ -513,5 +532,58 @@ impl Router {
             .matched_blocks
             .with_label_values(&[&plan.model.name])
             .observe(plan.chosen().input.matched_blocks as f64);
+    }
+}
+
+/// The siblings' in-flight bookings on a rank as the plan counts them: none while the engine's
+/// own pushed report arrived after `trusted_after` (one load-share frame interval ago; `None`
+/// when the process is younger than that), all of them otherwise (no report, or one as old as a
+/// frame). See `plan_inner` for why.
+fn siblings_in_flight_counted(
+    siblings_in_flight: i64,
+    engine_report_received_at: Option<Instant>,
+    trusted_after: Option<Instant>,
+) -> i64 {
+    match engine_report_received_at {
+        Some(at) if trusted_after.is_none_or(|after| at > after) => 0,
+        _ => siblings_in_flight,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_report_younger_than_a_frame_replaces_the_siblings_in_flight_and_an_older_one_does_not()
+     {
+        let now = Instant::now() + Duration::from_secs(10);
+        let frame = Duration::from_millis(5);
+        let after = now.checked_sub(frame);
+        assert_eq!(siblings_in_flight_counted(4, Some(now), after), 0);
+        assert_eq!(
+            siblings_in_flight_counted(4, Some(now - Duration::from_micros(4_999)), after),
+            0,
+            "just younger than a frame: the engine has seen every finish the frame has"
+        );
+        assert_eq!(
+            siblings_in_flight_counted(4, Some(now - frame), after),
+            4,
+            "as old as a frame: the siblings' bookings may be fresher"
+        );
+        assert_eq!(
+            siblings_in_flight_counted(4, Some(now - Duration::from_secs(3)), after),
+            4
+        );
+        assert_eq!(
+            siblings_in_flight_counted(4, None, after),
+            4,
+            "an engine without a load feed"
+        );
+        assert_eq!(
+            siblings_in_flight_counted(4, Some(now - Duration::from_secs(3)), None),
+            0,
+            "a process younger than a frame: every report it holds is younger too"
+        );
     }
 }

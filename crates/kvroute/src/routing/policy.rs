@@ -22,6 +22,9 @@
 //! is seen, and `in_flight` is the larger
 //! of the router's own count and the engine-reported running + waiting requests (the engine sees
 //! traffic from other routers; the router sees its own dispatches before the engine reports them).
+//! The router's count includes its siblings' shared bookings unless the engine pushed a report
+//! within the last load-share frame interval (`Router::plan`: such a report has already dropped
+//! requests that a sibling's last frame still holds).
 //! `eviction_cost_fraction` charges each uncached token for the cached block its insertion
 //! displaces once the rank's cache is full (see [`CostWeights::eviction_cost_fraction`]); it is
 //! not time the request waits, so the prefill work booked on the rank leaves it out.
