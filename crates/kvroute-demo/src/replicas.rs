@@ -81,7 +81,7 @@ pub struct SweepArgs {
     pub replica_data_plane_threads: u64,
     /// Slow motion: every duration of the simulated engines (overhead, prefill and decode per
     /// token, load reports) and of the routers' clocks (cost model, pending prefixes, load
-    /// frames and their staleness, the owner's timeout) times this factor, in every row. The
+    /// frames and their staleness, the owner's timeout) times this factor K, in every row. The
     /// routers' and the client's CPU work per request stays what it is, so on this machine it
     /// weighs 1/K as much against the engines' times: a control for what the replicas' share
     /// of two cores costs routing, against what placement by several routers costs it.

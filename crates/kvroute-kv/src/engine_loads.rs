@@ -111,13 +111,12 @@ mod tests {
     #[test]
     fn a_rank_reads_back_its_own_report_and_no_other_ranks() {
         let loads = EngineLoads::new();
+        let before = Instant::now();
         loads.set(&key("http://a", 2), stat(7));
         assert_eq!(loads.get("http://a", 2), Some(stat(7)));
         assert_eq!(loads.get("http://a", 0), None, "rank 0 never reported");
         assert_eq!(loads.get("http://a", 9), None, "past the known ranks");
         assert_eq!(loads.get("http://b", 2), None, "another worker");
-        let before = Instant::now();
-        loads.set(&key("http://a", 2), stat(7));
         loads.with_worker("http://a", |ranks| {
             let stats: Vec<Option<LoadStat>> = ranks.iter().map(|r| r.map(|r| r.stat)).collect();
             assert_eq!(stats, [None, None, Some(stat(7))]);
