@@ -354,7 +354,7 @@ async fn a_silent_siblings_bookings_leave_the_sums_after_the_staleness_bound() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engines_fresh_load_report_outweighs_a_siblings_in_flight_bookings_and_without_one_they_count()
  {
-    // The wedged sibling books 5 requests on the engine's rank that the engine is not running:
+    // The wedged sibling books requests on the engine's rank that the engine is not running:
     // what a sibling's last frame still holds for requests that finished after it. An engine
     // that pushes its load (SGLang's load feed) has reported them gone; a router that trusts
     // that report over the frame no longer sees a busy rank. Without a load feed the bookings

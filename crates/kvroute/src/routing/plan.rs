@@ -537,8 +537,8 @@ impl Router {
 
 /// The siblings' in-flight bookings on a rank as the plan counts them: none while the engine's
 /// own pushed report arrived after `trusted_after` (one load-share frame interval ago; `None`
-/// when the process is younger than that), all of them otherwise (no report, or one as old as a
-/// frame). See `plan_inner` for why.
+/// when the monotonic clock does not reach back that far, so no report can be older), all of
+/// them otherwise (no report, or one as old as a frame). See `plan_inner` for why.
 fn siblings_in_flight_counted(
     siblings_in_flight: i64,
     engine_report_received_at: Option<Instant>,
@@ -583,7 +583,7 @@ mod tests {
         assert_eq!(
             siblings_in_flight_counted(4, Some(now - Duration::from_secs(3)), None),
             0,
-            "a process younger than a frame: every report it holds is younger too"
+            "a clock that does not reach back a frame: every report is younger than one"
         );
     }
 }
