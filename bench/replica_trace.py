@@ -24,8 +24,10 @@ prints, per row (1 replica, 4 with sharing, ...), over all its rounds:
   routers racing; one that follows it by longer is a copy the cost model chose, or a prompt
   that every rank had evicted.
 
-Usage: bench/replica_trace.py TRACE.jsonl [--slow-ms 75] [--burst 32]
+Usage: bench/replica_trace.py TRACE.jsonl [--slow-ms 75] [--burst 32] [--split-p90-ms 80]
   --burst: conversations that start at once (the demo's concurrency).
+  --split-p90-ms: report each row's rounds in two groups, those whose p90 TTFT is above this
+    and the others, to compare the upper mode's rounds with the lower's.
 Standard library only.
 """
 
@@ -58,6 +60,7 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--slow-ms", type=float, default=75.0)
     ap.add_argument("--burst", type=int, default=32)
+    ap.add_argument("--split-p90-ms", type=float, default=None)
     args = ap.parse_args()
 
     runs = collections.defaultdict(list)
@@ -78,9 +81,13 @@ def main():
 
     rows = collections.defaultdict(lambda: collections.defaultdict(list))
     for (row, _round), requests in runs.items():
+        round_p90 = quantile([r["ttft_ms"] for r in requests], 0.9)
+        if args.split_p90_ms is not None:
+            side = ">" if round_p90 > args.split_p90_ms else "<="
+            row = f"{row} [rounds with p90 {side} {args.split_p90_ms:g} ms]"
         out = rows[row]
         out["rounds"].append(1)
-        out["round_p90"].append(quantile([r["ttft_ms"] for r in requests], 0.9))
+        out["round_p90"].append(round_p90)
         last_placement = {}
         for r in sorted(requests, key=lambda r: r["sent_ms"]):
             tenant = r.get("tenant")
