@@ -16,7 +16,8 @@ prints, per row (1 replica, 4 with sharing, ...), over all its rounds:
   router predicted (the queue the cost model did not see);
 * for a later turn that stayed on its conversation's rank: the prompt tokens the engine had to
   compute on that rank between the conversation's two turns (what could evict its tail), for
-  the turns that kept their cached tail and for those that lost it;
+  the turns that kept their cached tail and for those that lost it, and for the latter what
+  those tokens were (first or later turns, by the router's reason);
 * for first turns the engine mostly computed (it reused less than half the prompt): whether
   their system prompt had been sent anywhere before in the round, and if so how long before and
   to which rank, and what the router predicted for the rank it chose. A cold first turn that
@@ -123,12 +124,16 @@ def main():
             for before, after in zip(turns, turns[1:]):
                 if before["rank"] != after["rank"]:
                     continue
-                computed_between = sum(
-                    x["computed"]
+                between = [
+                    x
                     for x in by_rank[after["rank"]]
                     if before["sent_ms"] < x["sent_ms"] < after["sent_ms"]
-                )
-                out["lost" if after["over"] else "kept"].append(computed_between)
+                ]
+                out["lost" if after["over"] else "kept"].append(sum(x["computed"] for x in between))
+                if after["over"]:
+                    for x in between:
+                        kind = "first turn" if x["turn"] == 0 else "later turn"
+                        out["lost_between"].append(((kind, x["reason"]), x["computed"]))
 
     for row in sorted(rows):
         out = rows[row]
@@ -159,6 +164,14 @@ def main():
                     f"  stayed on its rank, tail {name}: {len(v)}; tokens computed on that rank"
                     f" between the two turns median {statistics.median(v):.0f}, p90 {quantile(v, .9):.0f}"
                 )
+        by_kind = collections.Counter()
+        for key, computed in out["lost_between"]:
+            by_kind[key] += computed
+        total = sum(by_kind.values())
+        if total:
+            print("  what that rank computed between the two turns of a tail lost, by request:")
+            for key, computed in by_kind.most_common(6):
+                print(f"    {100 * computed / total:5.1f} %  {' / '.join(key)}")
 
 
 if __name__ == "__main__":
