@@ -18,6 +18,10 @@ prints, per row (1 replica, 4 with sharing, ...), over all its rounds:
   compute on that rank between the conversation's two turns (what could evict its tail), for
   the turns that kept their cached tail and for those that lost it, and for the latter what
   those tokens were (first or later turns, by the router's reason);
+* later turns' TTFT by the requests already on their rank when they were sent (sent earlier,
+  first token not yet out: queued or in prefill). With nothing ahead, the TTFT is the path
+  (client, router, engine's own overhead and prefill) alone, so a row slower there than one
+  replica pays on the path, not in the queue its routing built;
 * for first turns the engine mostly computed (it reused less than half the prompt): whether
   their system prompt had been sent anywhere before in the round, and if so how long before and
   to which rank, and what the router predicted for the rank it chose. A cold first turn that
@@ -40,6 +44,7 @@ import statistics
 import sys
 
 OVER_TOKENS_MIN = 32  # two blocks of 16 tokens
+AHEAD_MAX = 4  # requests ahead on the rank; more are counted with this many
 
 
 def field(decision, name):
@@ -119,6 +124,14 @@ def main():
                 out["slow"].append((kind, r["reason"], reused))
             if r["turn"] > 0:
                 out["later"].append(r)
+        for r in requests:
+            if r["turn"] > 0:
+                ahead = sum(
+                    1
+                    for x in by_rank[r["rank"]]
+                    if x["sent_ms"] < r["sent_ms"] < x["sent_ms"] + x["ttft_ms"]
+                )
+                out["later_by_ahead"].append((min(ahead, AHEAD_MAX), r["ttft_ms"]))
         for turns in by_conversation.values():
             turns.sort(key=lambda r: r["turn"])
             for before, after in zip(turns, turns[1:]):
@@ -151,6 +164,17 @@ def main():
                 f"  later turns: {len(later)}; over-predicted by > 2 blocks {100 * over / len(later):.1f} %;"
                 f" TTFT - predicted cost p50 {quantile(gap, .5):.1f} / p90 {quantile(gap, .9):.1f}"
                 f" / p99 {quantile(gap, .99):.1f} ms"
+            )
+        by_ahead = collections.defaultdict(list)
+        for ahead, ttft in out["later_by_ahead"]:
+            by_ahead[ahead].append(ttft)
+        if by_ahead:
+            print(
+                "  later turns' TTFT p50 by requests ahead on their rank: "
+                + ", ".join(
+                    f"{a}{'+' if a == AHEAD_MAX else ''}: {quantile(v, .5):.1f} ms ({len(v) / n_rounds:.0f}/round)"
+                    for a, v in sorted(by_ahead.items())
+                )
             )
         cold = out["cold_first"]
         if cold:

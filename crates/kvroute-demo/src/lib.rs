@@ -52,6 +52,7 @@ use kvroute::{PolicyKind, RouterConfig, WorkerSpec};
 
 pub mod args;
 pub mod chart;
+pub mod core_wait;
 pub mod long_conversations;
 pub mod replicas;
 pub mod rolling;

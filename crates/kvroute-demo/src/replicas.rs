@@ -13,6 +13,7 @@
 //! rank's share of requests (engine-side counts). Rounds differ by the routers' random seeds and
 //! by timing; the workload is the demo's.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,8 @@ use serde_json::{Value, json};
 
 use kvroute::PolicyKind;
 use kvroute::peer::load_share::LoadShareConfig;
+
+use crate::core_wait::{self, Spent, ThreadGroup};
 
 use super::{
     DP_SIZE, DemoArgs, ENGINES, RunResult, drive, fleet_balance, progress_bar, router_config,
@@ -186,6 +189,9 @@ pub struct SweepRun {
     /// Seconds the replicas waited for owners' answers, summed (with `cold_placements`' total,
     /// the mean wait).
     pub cold_wait_s: f64,
+    /// What the process's threads spent on a core and waiting for one while the round's
+    /// requests ran, by group (`None` without procfs).
+    pub thread_times: Option<HashMap<ThreadGroup, Spent>>,
 }
 
 /// The outcomes of `kvroute_cold_placements_total` the sweep reports, in its column order.
@@ -263,6 +269,31 @@ impl SweepRow {
                 .sum::<f64>()
                 / rounds
         })
+    }
+    /// Mean milliseconds per request that `group`'s threads spent on a core and waiting for
+    /// one, over every round; `None` when no round could read its threads.
+    fn thread_ms_per_request(&self, group: ThreadGroup) -> Option<(f64, f64)> {
+        let read: Vec<&SweepRun> = self
+            .rounds
+            .iter()
+            .filter(|r| r.thread_times.is_some())
+            .collect();
+        let requests: usize = read.iter().map(|r| r.run.requests).sum();
+        if requests == 0 {
+            return None;
+        }
+        let spent = read
+            .iter()
+            .filter_map(|r| r.thread_times.as_ref()?.get(&group).copied())
+            .fold(Spent::default(), |sum, s| Spent {
+                on_cpu_ns: sum.on_cpu_ns + s.on_cpu_ns,
+                runqueue_wait_ns: sum.runqueue_wait_ns + s.runqueue_wait_ns,
+            });
+        let per_request_ms = |ns: u64| ns as f64 / 1e6 / requests as f64;
+        Some((
+            per_request_ms(spent.on_cpu_ns),
+            per_request_ms(spent.runqueue_wait_ns),
+        ))
     }
     fn failures(&self) -> usize {
         self.rounds.iter().map(|r| r.run.failures).sum()
@@ -356,7 +387,13 @@ async fn run_once(
     }
     let entries = if through_one { 1 } else { handles.len() };
     let urls: Vec<String> = handles[..entries].iter().map(|h| h.url()).collect();
+    // Read around the traffic alone, with every replica and engine thread of the round alive
+    // at both reads: their startup and shutdown are not the requests' cost.
+    let threads_before = core_wait::snapshot();
     let driven = drive(&urls, args, conversations, bar).await;
+    let thread_times = threads_before
+        .zip(core_wait::snapshot())
+        .map(|(before, after)| core_wait::spent_between(&before, &after));
     let cold_placements = COLD_OUTCOMES.map(|outcome| {
         handles
             .iter()
@@ -395,6 +432,7 @@ async fn run_once(
         later_turns_ttft_p90_ms,
         cold_placements,
         cold_wait_s,
+        thread_times,
     })
 }
 
@@ -505,6 +543,19 @@ pub async fn run_sweep(args: &DemoArgs) -> Result<Vec<SweepRow>, String> {
 }
 
 fn row_json(row: &SweepRow) -> Value {
+    let thread_ms: serde_json::Map<String, Value> = [
+        (ThreadGroup::ReplicaDataPlanes, "replica_data_planes"),
+        (ThreadGroup::Rest, "rest"),
+    ]
+    .into_iter()
+    .filter_map(|(group, key)| {
+        let (cpu, wait) = row.thread_ms_per_request(group)?;
+        Some((
+            key.to_string(),
+            json!({"on_cpu": cpu, "waiting_for_cpu": wait}),
+        ))
+    })
+    .collect();
     json!({
         "replicas": row.replicas,
         "load_sharing": row.sharing,
@@ -514,6 +565,7 @@ fn row_json(row: &SweepRow) -> Value {
         "first_turns_ttft_p90_ms_median": row.first_turns_ttft_p90_ms(),
         "later_turns_ttft_p90_ms_median": row.later_turns_ttft_p90_ms(),
         "busiest_rank_share_median": row.busiest_rank_share(),
+        "thread_ms_per_request": thread_ms,
         "rounds": row.rounds.iter().map(|r| json!({
             "hit_rate": r.run.hit_rate,
             "ttft_p90_ms": r.run.ttft_p90_ms,
@@ -604,6 +656,22 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
                 per_round[1],
                 per_round[2],
                 row.cold_wait_mean_ms()
+            );
+        }
+        for row in &rows {
+            let (Some((plane_cpu, plane_wait)), Some((rest_cpu, rest_wait))) = (
+                row.thread_ms_per_request(ThreadGroup::ReplicaDataPlanes),
+                row.thread_ms_per_request(ThreadGroup::Rest),
+            ) else {
+                continue;
+            };
+            println!(
+                "{}: per request, threads on a core / waiting for one: replicas' data planes {:.2} / {:.2} ms, the rest (engines, client, pumps) {:.2} / {:.2} ms",
+                row.label(),
+                plane_cpu,
+                plane_wait,
+                rest_cpu,
+                rest_wait
             );
         }
         println!("total wall time {:.1} s", started.elapsed().as_secs_f64());
