@@ -32,6 +32,19 @@ fn config(urls: &[String], token: Option<&[u8]>) -> RouterConfig {
     }
 }
 
+/// Waits until `base`'s first followed sibling is fresh on its `/workers`.
+async fn wait_first_sibling_heard(what: &str, base: &str) {
+    wait_until(what, WAIT_DEADLINE, || async {
+        let w = workers(base).await;
+        if w["load_share"]["siblings"][0]["fresh"] == true {
+            Ok(())
+        } else {
+            Err(w["load_share"].to_string())
+        }
+    })
+    .await;
+}
+
 fn follow(follower: &kvroute::RouterHandle, sibling: &kvroute::RouterHandle) {
     follower
         .router
@@ -468,15 +481,7 @@ async fn a_siblings_pending_prefix_steers_the_same_cold_prompt_to_the_same_rank(
         wait_subscribed(&a.url(), 2).await;
         wait_subscribed(&b.url(), 2).await;
         if sharing {
-            wait_until("a to hear b", WAIT_DEADLINE, || async {
-                let w = workers(&a.url()).await;
-                if w["load_share"]["siblings"][0]["fresh"] == true {
-                    Ok(())
-                } else {
-                    Err(w["load_share"].to_string())
-                }
-            })
-            .await;
+            wait_first_sibling_heard("a to hear b", &a.url()).await;
         }
         // The engine holds the request before prefilling it: no KV event will confirm its
         // blocks while the check runs, so only a pending entry can point at its rank.
@@ -524,4 +529,100 @@ async fn a_siblings_pending_prefix_steers_the_same_cold_prompt_to_the_same_rank(
         a.shutdown().await;
         b.shutdown().await;
     }
+}
+
+/// The `outcome="..."` sample of `kvroute_tokenizer_cache_total` on `base`'s `/metrics`.
+async fn tokenizer_cache(base: &str, outcome: &str) -> u64 {
+    let text = metrics_text(base).await;
+    let series = format!("kvroute_tokenizer_cache_total{{outcome=\"{outcome}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .map_or(0, |v| v.trim().parse().expect("a counter"))
+}
+
+async fn send_conversation(base: &str, messages: &[Value]) {
+    let (status, body, _) = post_json(
+        &format!("{base}/v1/chat/completions"),
+        &json!({"model": "m", "max_tokens": 2, "messages": messages}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_a_sibling_rendered_is_not_rendered_again_and_a_follower_that_did_not_ask_gets_none()
+ {
+    let fleet = fleet(1, 2, "m").await;
+    let urls = urls(&fleet);
+    let a = kvroute::serve(config(&urls, Some(TOKEN))).await.expect("a");
+    let b = kvroute::serve(config(&urls, Some(TOKEN))).await.expect("b");
+    follow(&a, &b);
+    wait_subscribed(&a.url(), 2).await;
+    wait_subscribed(&b.url(), 2).await;
+    wait_first_sibling_heard("a to hear b", &a.url()).await;
+    // A follower of the kind that predates shared prefixes: it does not ask for them.
+    let mut older_follower = client()
+        .get(format!("{}{LOAD_BOOKINGS_PATH}", b.internal_url()))
+        .bearer_auth(String::from_utf8_lossy(TOKEN))
+        .send()
+        .await
+        .expect("b's stream");
+    assert_eq!(older_follower.status(), 200);
+
+    let mut messages = vec![
+        json!({"role": "system", "content": "You answer questions about routers. ".repeat(8)}),
+        json!({"role": "user", "content": "What does a cache-aware router do?"}),
+    ];
+    send_conversation(&b.url(), &messages).await;
+    let a_tokenizer = a
+        .router
+        .tokenizers
+        .get_or_load(
+            &tokenizer_path(),
+            a.router.config.tokenizer_cache_entries_max,
+        )
+        .expect("a's tokenizer");
+    // b rendered the system message, the question and the generation prompt.
+    wait_until(
+        "a to adopt b's rendered prefixes",
+        WAIT_DEADLINE,
+        || async {
+            match a_tokenizer.adopted_prefixes() {
+                n if n >= 3 => Ok(()),
+                n => Err(format!("adopted {n}")),
+            }
+        },
+    )
+    .await;
+    messages.push(json!({"role": "assistant", "content": "It sends a prompt where it is cached."}));
+    messages.push(json!({"role": "user", "content": "And when that rank is busy?"}));
+    let (hits, misses) = (
+        tokenizer_cache(&a.url(), "hit").await,
+        tokenizer_cache(&a.url(), "miss").await,
+    );
+    send_conversation(&a.url(), &messages).await;
+    assert_eq!(
+        (
+            tokenizer_cache(&a.url(), "hit").await - hits,
+            tokenizer_cache(&a.url(), "miss").await - misses
+        ),
+        (2, 3),
+        "a took the first two messages from b and rendered the answer, the question and the \
+         generation prompt"
+    );
+
+    // Everything b sent the follower that did not ask, meanwhile and for one more heartbeat.
+    let mut seen = String::new();
+    let until = tokio::time::Instant::now()
+        + Duration::from_millis(2 * kvroute::peer::load_share::LOAD_SHARE_HEARTBEAT_MS);
+    while let Ok(Ok(Some(chunk))) = tokio::time::timeout_at(until, older_follower.chunk()).await {
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(seen.contains("\"seq\""), "frames reached it: {seen:?}");
+    assert!(
+        !seen.contains("prefixes"),
+        "a follower that did not ask got shared prefixes: {seen}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
 }

@@ -44,6 +44,11 @@ pub struct Metrics {
     /// Load-bookings frames by `result`: `sent` (to a sibling), `applied` (from one), `refused`
     /// (from one, and its stream was dropped).
     pub load_share_frames: IntCounterVec,
+    /// Rendered conversation prefixes shared with siblings (`routing::tokenize`), by `result`:
+    /// `sent` in a frame, `lost` (a stream lagged the ring, or a frame would have been too long),
+    /// `adopted` from a sibling, `refused` (made with a tokenizer this replica does not hold,
+    /// or invalid for it).
+    pub shared_prefixes: IntCounterVec,
     /// Siblings whose bookings currently count (heard within `--load-share-stale-ms`).
     pub load_share_siblings: prometheus::IntGauge,
     /// Engine `/metrics` scrapes by `result`: `ok`, `no_vllm_gauges`, `failed`.
@@ -197,6 +202,13 @@ impl Metrics {
             ),
             &["result"],
         )?;
+        let shared_prefixes = IntCounterVec::new(
+            Opts::new(
+                "kvroute_shared_prefixes_total",
+                "Rendered conversation prefixes sent to siblings, adopted from them, lost or refused",
+            ),
+            &["result"],
+        )?;
         let load_share_siblings = prometheus::IntGauge::new(
             "kvroute_load_share_siblings",
             "Siblings whose load bookings count in the cost model",
@@ -229,6 +241,7 @@ impl Metrics {
         registry.register(Box::new(cold_placement_wait.clone()))?;
         registry.register(Box::new(engine_metrics_scrapes.clone()))?;
         registry.register(Box::new(load_share_frames.clone()))?;
+        registry.register(Box::new(shared_prefixes.clone()))?;
         registry.register(Box::new(load_share_siblings.clone()))?;
         registry.register(Box::new(prediction_error_tokens.clone()))?;
         registry.register(Box::new(predictions.clone()))?;
@@ -255,6 +268,7 @@ impl Metrics {
             predictions,
             prediction_mismatch,
             load_share_frames,
+            shared_prefixes,
             load_share_siblings,
             engine_metrics_scrapes,
             cold_placements,

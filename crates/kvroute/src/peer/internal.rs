@@ -117,9 +117,19 @@ pub fn internal_app(
         .route(KV_CURSORS_PATH, get(kv_cursors))
         .route(
             crate::peer::load_share::LOAD_BOOKINGS_PATH,
-            get(|State(s): State<InternalState>| async move {
-                crate::peer::load_share_tasks::bookings_stream_response(&s.router)
-            }),
+            get(
+                |State(s): State<InternalState>,
+                 axum::extract::RawQuery(query): axum::extract::RawQuery| async move {
+                    let want_prefixes = query.as_deref().is_some_and(|q| {
+                        q.split('&')
+                            .any(|p| p == crate::peer::load_share_tasks::WANT_PREFIXES_QUERY)
+                    });
+                    crate::peer::load_share_tasks::bookings_stream_response(
+                        &s.router,
+                        want_prefixes,
+                    )
+                },
+            ),
         )
         .route(
             crate::peer::cold_owner::COLD_PLACE_PATH,

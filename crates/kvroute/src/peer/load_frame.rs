@@ -36,6 +36,10 @@
 //! for its sender alone). A counter, not "work since the last frame", so a lost frame loses
 //! nothing. Entries of the older five-field form (no counter) are refused as malformed: a
 //! follower that cannot place a sibling's work on the rank's clock would underestimate it.
+//! A frame may also carry `prefixes`, conversation prefixes the sender's tokenizers rendered
+//! (`[tokenizer, key, rendered_len, rendered_hash, [token ids]]`, see
+//! `routing::tokenize::SharedPrefix`), but only on a stream whose follower asked for them: the
+//! decoder refuses unknown fields, so a follower older than them would refuse every such frame.
 //! With `--internal-auth-token-file`, each line is prefixed by the HMAC-SHA256 of its JSON under
 //! the token (64 hex digits and a space), like the binary snapshot: a frame is authenticated even
 //! if a proxy in between terminates TLS, and a follower with a token refuses unsigned lines.
@@ -44,6 +48,8 @@ use std::collections::HashMap;
 use std::hash::Hash;
 
 use hmac::{Hmac, KeyInit, Mac};
+
+pub use crate::routing::tokenize::SharedPrefix;
 use sha2::Sha256;
 
 /// Longest frame line accepted (MAC and newline included). A full frame costs about 50 bytes
@@ -66,6 +72,13 @@ pub const LOAD_FRAME_PENDING_MAX: usize = 4_096;
 pub const LOAD_FRAME_PENDING_BLOCKS_MAX: usize = 4_096;
 /// Longest model name a shared pending prefix may carry.
 pub const LOAD_FRAME_MODEL_MAX_BYTES: usize = 1_024;
+
+/// Most shared rendered prefixes one frame may carry (`routing::tokenize::SharedPrefix`).
+pub const LOAD_FRAME_PREFIXES_MAX: usize = 1_024;
+/// Most tokens the shared prefixes of one frame may carry in all: at most about 7 bytes each on
+/// the wire, so they fill at most about half of [`LOAD_FRAME_MAX_BYTES`] (a frame that would
+/// still be too long with its ranks is sent without them).
+pub const LOAD_FRAME_PREFIX_TOKENS_MAX: usize = 65_536;
 
 /// Hex digits of a frame's MAC prefix.
 const MAC_HEX_LEN: usize = 64;
@@ -122,12 +135,14 @@ pub enum BookingFrame {
         seq: u64,
         ranks: Vec<(RankKey, RankBookings)>,
         pending: Vec<SharedPending>,
+        prefixes: Vec<SharedPrefix>,
     },
     /// The ranks whose bookings changed since the previous frame; empty = heartbeat.
     Delta {
         seq: u64,
         changes: Vec<(u32, RankBookings)>,
         pending: Vec<SharedPending>,
+        prefixes: Vec<SharedPrefix>,
     },
 }
 
@@ -135,6 +150,16 @@ impl BookingFrame {
     pub fn seq(&self) -> u64 {
         match self {
             BookingFrame::Full { seq, .. } | BookingFrame::Delta { seq, .. } => *seq,
+        }
+    }
+
+    /// Takes the frame's shared rendered prefixes out (they go to the tokenizers, not the
+    /// table).
+    pub fn take_prefixes(&mut self) -> Vec<SharedPrefix> {
+        match self {
+            BookingFrame::Full { prefixes, .. } | BookingFrame::Delta { prefixes, .. } => {
+                std::mem::take(prefixes)
+            }
         }
     }
 
@@ -169,6 +194,8 @@ type WireRank = (String, u32, u64, u64, u64, u64);
 type WireChange = (u32, u64, u64, u64, u64);
 /// A shared pending prefix: `[model, worker_url, dp_rank, [block hashes]]`.
 type WirePending = (String, String, u32, Vec<u64>);
+/// A shared rendered prefix: `[tokenizer, key, rendered_len, rendered_hash, [token ids]]`.
+type WirePrefix = (u64, u64, u64, u64, Vec<u32>);
 
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -180,6 +207,51 @@ struct WireFrame {
     delta: Option<Vec<WireChange>>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pending: Vec<WirePending>,
+    /// Sent only to a follower that asked for them (`?prefixes=1`): a follower older than the
+    /// field refuses unknown fields.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    prefixes: Vec<WirePrefix>,
+}
+
+fn prefixes_to_wire(prefixes: &[SharedPrefix]) -> Vec<WirePrefix> {
+    prefixes
+        .iter()
+        .map(|p| {
+            (
+                p.tokenizer,
+                p.key,
+                p.rendered_len,
+                p.rendered_hash,
+                p.tokens.to_vec(),
+            )
+        })
+        .collect()
+}
+
+fn prefixes_from_wire(wire: Vec<WirePrefix>) -> Result<Vec<SharedPrefix>, FrameError> {
+    if wire.len() > LOAD_FRAME_PREFIXES_MAX {
+        return Err(FrameError::Malformed(format!(
+            "over {LOAD_FRAME_PREFIXES_MAX} shared prefixes in one frame"
+        )));
+    }
+    let tokens: usize = wire.iter().map(|p| p.4.len()).sum();
+    if tokens > LOAD_FRAME_PREFIX_TOKENS_MAX {
+        return Err(FrameError::Malformed(format!(
+            "shared prefixes carry over {LOAD_FRAME_PREFIX_TOKENS_MAX} tokens in one frame"
+        )));
+    }
+    Ok(wire
+        .into_iter()
+        .map(
+            |(tokenizer, key, rendered_len, rendered_hash, tokens)| SharedPrefix {
+                tokenizer,
+                key,
+                rendered_len,
+                rendered_hash,
+                tokens: tokens.into(),
+            },
+        )
+        .collect())
 }
 
 fn pending_to_wire(pending: &[SharedPending]) -> Vec<WirePending> {
@@ -243,6 +315,7 @@ pub fn encode_line(frame: &BookingFrame, mac_key: Option<&[u8]>) -> Vec<u8> {
             seq,
             ranks,
             pending,
+            prefixes,
         } => WireFrame {
             seq: *seq,
             full: Some(
@@ -262,15 +335,18 @@ pub fn encode_line(frame: &BookingFrame, mac_key: Option<&[u8]>) -> Vec<u8> {
             ),
             delta: None,
             pending: pending_to_wire(pending),
+            prefixes: prefixes_to_wire(prefixes),
         },
         BookingFrame::Delta {
             seq,
             changes,
             pending,
+            prefixes,
         } => WireFrame {
             seq: *seq,
             full: None,
             pending: pending_to_wire(pending),
+            prefixes: prefixes_to_wire(prefixes),
             delta: Some(
                 changes
                     .iter()
@@ -355,6 +431,7 @@ pub fn decode_line(line: &[u8], mac_key: Option<&[u8]>) -> Result<BookingFrame, 
     let wire: WireFrame =
         serde_json::from_slice(json).map_err(|e| FrameError::Malformed(e.to_string()))?;
     let pending = pending_from_wire(wire.pending)?;
+    let prefixes = prefixes_from_wire(wire.prefixes)?;
     match (wire.full, wire.delta) {
         (Some(full), None) => {
             if full.len() > LOAD_FRAME_RANKS_MAX {
@@ -381,6 +458,7 @@ pub fn decode_line(line: &[u8], mac_key: Option<&[u8]>) -> Result<BookingFrame, 
                 seq: wire.seq,
                 ranks,
                 pending,
+                prefixes,
             })
         }
         (None, Some(delta)) => {
@@ -402,6 +480,7 @@ pub fn decode_line(line: &[u8], mac_key: Option<&[u8]>) -> Result<BookingFrame, 
                     })
                     .collect(),
                 pending,
+                prefixes,
             })
         }
         _ => Err(FrameError::Malformed(
@@ -622,8 +701,9 @@ impl OwnRank {
 }
 
 impl FrameSender {
-    /// The frame to send at `now_us` for `ranks` (sorted by key) and the `pending` prefixes routed
-    /// since the last frame, or `None` when nothing changed, nothing is pending and the last
+    /// The frame to send at `now_us` for `ranks` (sorted by key), the `pending` prefixes routed
+    /// and the `prefixes` rendered since the last frame, or `None` when nothing changed, nothing
+    /// is pending or rendered and the last
     /// frame is younger than `heartbeat_us`. The first frame, and the first after the rank set
     /// changed, is `full`.
     pub fn next_frame(
@@ -632,6 +712,7 @@ impl FrameSender {
         now_us: u64,
         heartbeat_us: u64,
         pending: Vec<SharedPending>,
+        prefixes: Vec<SharedPrefix>,
     ) -> Option<BookingFrame> {
         let values: Vec<(u64, u64, u64, u64)> = ranks.iter().map(OwnRank::compared).collect();
         let bookings = |r: &OwnRank| RankBookings {
@@ -650,6 +731,7 @@ impl FrameSender {
                 seq,
                 ranks: ranks.iter().map(|r| (r.key.clone(), bookings(r))).collect(),
                 pending,
+                prefixes,
             }
         } else {
             let changes: Vec<(u32, RankBookings)> = ranks
@@ -662,13 +744,14 @@ impl FrameSender {
             let heartbeat_due = self
                 .last_sent_us
                 .is_none_or(|t| now_us.saturating_sub(t) >= heartbeat_us);
-            if changes.is_empty() && pending.is_empty() && !heartbeat_due {
+            if changes.is_empty() && pending.is_empty() && prefixes.is_empty() && !heartbeat_due {
                 return None;
             }
             BookingFrame::Delta {
                 seq,
                 changes,
                 pending,
+                prefixes,
             }
         };
         self.sent = values;
@@ -715,11 +798,13 @@ mod tests {
                 },
             )],
             pending: vec![],
+            prefixes: vec![],
         };
         let delta = BookingFrame::Delta {
             seq: 2,
             changes: vec![(0, RankBookings::default())],
             pending: vec![],
+            prefixes: vec![],
         };
         for frame in [full, delta] {
             for key in [None, Some(KEY)] {
@@ -732,6 +817,59 @@ mod tests {
     }
 
     #[test]
+    fn shared_rendered_prefixes_round_trip_and_frames_over_their_limits_are_refused() {
+        let prefix = |tokens: usize| SharedPrefix {
+            tokenizer: u64::MAX - 1,
+            key: 8,
+            rendered_len: 9,
+            rendered_hash: u64::MAX,
+            tokens: vec![151_643u32; tokens].into(),
+        };
+        let delta = |prefixes: Vec<SharedPrefix>| BookingFrame::Delta {
+            seq: 1,
+            changes: vec![],
+            pending: vec![],
+            prefixes,
+        };
+        let mut frame = delta(vec![prefix(3), prefix(0)]);
+        let line = encode_line(&frame, Some(b"k"));
+        let mut back = decode_line(&line[..line.len() - 1], Some(b"k")).expect("decodes");
+        assert_eq!(
+            back.take_prefixes(),
+            frame.take_prefixes(),
+            "u64s kept exact"
+        );
+        let plain = encode_line(&delta(vec![]), None);
+        assert!(
+            !String::from_utf8_lossy(&plain).contains("prefixes"),
+            "a frame without prefixes names no such field (older followers refuse it)"
+        );
+        let half = LOAD_FRAME_PREFIX_TOKENS_MAX / 2;
+        for (what, prefixes) in [
+            ("too many tokens", vec![prefix(half), prefix(half + 1)]),
+            (
+                "too many prefixes",
+                vec![prefix(0); LOAD_FRAME_PREFIXES_MAX + 1],
+            ),
+        ] {
+            let line = encode_line(&delta(prefixes), None);
+            assert!(
+                matches!(
+                    decode_line(&line[..line.len() - 1], None),
+                    Err(FrameError::Malformed(_))
+                ),
+                "{what}"
+            );
+        }
+        let at_the_limits = encode_line(&delta(vec![prefix(half), prefix(half)]), None);
+        assert!(
+            at_the_limits.len() < LOAD_FRAME_MAX_BYTES / 2,
+            "half a line at most"
+        );
+        assert!(decode_line(&at_the_limits[..at_the_limits.len() - 1], None).is_ok());
+    }
+
+    #[test]
     fn shared_pending_prefixes_round_trip_and_oversized_ones_are_refused() {
         let mut frame = BookingFrame::Delta {
             seq: 4,
@@ -741,6 +879,7 @@ mod tests {
                 rank: key("http://e1:8000", 0),
                 hashes: vec![u64::MAX, 0, 42],
             }],
+            prefixes: vec![],
         };
         let line = encode_line(&frame, Some(KEY));
         let mut back = decode_line(line.trim_ascii_end(), Some(KEY)).expect("decodes");
@@ -768,6 +907,7 @@ mod tests {
             seq: 7,
             changes: vec![],
             pending: vec![],
+            prefixes: vec![],
         };
         let unsigned = encode_line(&frame, None);
         assert_eq!(
@@ -872,6 +1012,7 @@ mod tests {
                 (key("http://a", 1), RankBookings::default()),
             ],
             pending: vec![],
+            prefixes: vec![],
         };
         table.apply(full, 1_000).unwrap();
         assert_eq!(
@@ -890,6 +1031,7 @@ mod tests {
                 },
             )],
             pending: vec![],
+            prefixes: vec![],
         };
         table.apply(delta, 2_000).unwrap();
         assert_eq!(table.ranks[0].1.in_flight, 2, "untouched rank kept");
@@ -912,6 +1054,7 @@ mod tests {
             seq,
             changes: vec![],
             pending: vec![],
+            prefixes: vec![],
         };
         assert_eq!(
             table.apply(heartbeat(1), 5),
@@ -923,6 +1066,7 @@ mod tests {
                     seq: 1,
                     ranks: vec![(key("http://a", 0), RankBookings::default())],
                     pending: vec![],
+                    prefixes: vec![],
                 },
                 10,
             )
@@ -936,6 +1080,7 @@ mod tests {
             seq: 2,
             changes: vec![(1, RankBookings::default())],
             pending: vec![],
+            prefixes: vec![],
         };
         assert_eq!(
             table.apply(out_of_range, 20),
@@ -953,6 +1098,7 @@ mod tests {
             seq,
             ranks: vec![],
             pending: vec![],
+            prefixes: vec![],
         };
         table.apply(full(u64::MAX), 1).unwrap();
         assert_eq!(
@@ -966,6 +1112,7 @@ mod tests {
             seq: 0,
             changes: vec![],
             pending: vec![],
+            prefixes: vec![],
         };
         assert!(table.apply(heartbeat, 3).is_err());
     }
@@ -983,6 +1130,7 @@ mod tests {
                 },
             )],
             pending: vec![],
+            prefixes: vec![],
         };
         table.apply(full(1, 4), 10).unwrap();
         table
@@ -991,6 +1139,7 @@ mod tests {
                     seq: 2,
                     changes: vec![],
                     pending: vec![],
+                    prefixes: vec![],
                 },
                 20,
             )
@@ -1024,6 +1173,7 @@ mod tests {
                 })
                 .collect(),
             pending: vec![],
+            prefixes: vec![],
         };
         table.apply(full, now_us).unwrap();
         table
@@ -1095,6 +1245,7 @@ mod tests {
                 seq: 1,
                 ranks: vec![(key("http://a", 0), RankBookings::default())],
                 pending: vec![],
+                prefixes: vec![],
             },
             1_000,
         )
@@ -1114,7 +1265,7 @@ mod tests {
             seq: 1,
             ranks: listed,
             ..
-        }) = sender.next_frame(&ranks, 1_000, 200, vec![])
+        }) = sender.next_frame(&ranks, 1_000, 200, vec![], vec![])
         else {
             panic!("first frame is full");
         };
@@ -1123,14 +1274,14 @@ mod tests {
             "remaining at the send"
         );
         assert_eq!(
-            sender.next_frame(&ranks, 1_050, 200, vec![]),
+            sender.next_frame(&ranks, 1_050, 200, vec![], vec![]),
             None,
             "nothing changed"
         );
         let mut changed = ranks.clone();
         changed[1].in_flight = 2;
         assert_eq!(
-            sender.next_frame(&changed, 1_100, 200, vec![]),
+            sender.next_frame(&changed, 1_100, 200, vec![], vec![]),
             Some(BookingFrame::Delta {
                 seq: 2,
                 changes: vec![(
@@ -1140,15 +1291,17 @@ mod tests {
                         ..RankBookings::default()
                     }
                 )],
-                pending: vec![]
+                pending: vec![],
+                prefixes: vec![]
             })
         );
         assert_eq!(
-            sender.next_frame(&changed, 1_300, 200, vec![]),
+            sender.next_frame(&changed, 1_300, 200, vec![], vec![]),
             Some(BookingFrame::Delta {
                 seq: 3,
                 changes: vec![],
-                pending: vec![]
+                pending: vec![],
+                prefixes: vec![]
             }),
             "heartbeat once the last frame is 200 us old"
         );
@@ -1158,7 +1311,7 @@ mod tests {
             own("http://b", 0, 0, 0, 0),
         ];
         assert!(matches!(
-            sender.next_frame(&grown, 1_310, 200, vec![]),
+            sender.next_frame(&grown, 1_310, 200, vec![], vec![]),
             Some(BookingFrame::Full { seq: 4, .. })
         ));
     }
@@ -1173,7 +1326,7 @@ mod tests {
             ranks[i].in_flight = step % 5;
             ranks[i].queued_prefill_tokens = step * 10;
             let now = step * 100;
-            if let Some(frame) = sender.next_frame(&ranks, now, 1_000, vec![]) {
+            if let Some(frame) = sender.next_frame(&ranks, now, 1_000, vec![], vec![]) {
                 let line = encode_line(&frame, Some(KEY));
                 table
                     .apply(decode_line(line.trim_ascii_end(), Some(KEY)).unwrap(), now)

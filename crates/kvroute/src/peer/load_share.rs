@@ -19,7 +19,10 @@
 //!   ([`LOAD_SHARE_HEARTBEAT_MS`]). A push stream, not polling: a booking reaches the siblings
 //!   one interval after it is made, with no request per update. The stream is pulled by the
 //!   HTTP layer, so a sibling that stops reading costs one pending frame, never a queue; at
-//!   most [`LOAD_SHARE_SUBSCRIBERS_MAX`] streams are served at once (503 beyond).
+//!   most [`LOAD_SHARE_SUBSCRIBERS_MAX`] streams are served at once (503 beyond). A follower
+//!   that asks (`?prefixes=1`) also gets the conversation prefixes this replica's tokenizers
+//!   render, so a conversation's next turn reaching it is not rendered and tokenized again
+//!   (`routing::tokenize`).
 //! * Followers: one task per sibling in the peer registry (the registry sibling discovery
 //!   fills; the same siblings the bootstrap asks) reads that sibling's stream into its
 //!   [`SiblingBookings`], reconnecting with a bounded backoff. Readers only PUBLISH their table;

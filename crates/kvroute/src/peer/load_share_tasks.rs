@@ -18,8 +18,9 @@ use tokio_util::sync::CancellationToken;
 use crate::control::registry::{RankLoad, Worker, clock_us};
 use crate::control::router::Router;
 use crate::peer::load_frame::{
-    DispatchedWork, FrameSender, LOAD_FRAME_MAX_BYTES, LOAD_FRAME_PENDING_MAX, OwnRank, RankKey,
-    SharedPending, decode_line, encode_line,
+    DispatchedWork, FrameSender, LOAD_FRAME_MAX_BYTES, LOAD_FRAME_PENDING_MAX,
+    LOAD_FRAME_PREFIX_TOKENS_MAX, LOAD_FRAME_PREFIXES_MAX, OwnRank, RankKey, SharedPending,
+    SharedPrefix, decode_line, encode_line,
 };
 use crate::peer::load_share::{
     LOAD_BOOKINGS_CONTENT_TYPE, LOAD_BOOKINGS_PATH, LOAD_SHARE_CONNECT_TIMEOUT_MS,
@@ -50,8 +51,21 @@ fn own_ranks(workers: &[Arc<Worker>]) -> Vec<OwnRank> {
     ranks
 }
 
-/// Serves one sibling's subscription: the stream of this replica's own bookings.
-pub fn bookings_stream_response(router: &Arc<Router>) -> Response {
+/// Query of a subscription that also wants this replica's rendered prefixes (see
+/// `routing::tokenize`): a follower older than them refuses frames that carry them, so they go
+/// only to one that asks.
+pub const WANT_PREFIXES_QUERY: &str = "prefixes=1";
+
+/// The rendered prefixes one stream has not sent yet: the broadcast receiver, and the one
+/// prefix that did not fit the previous frame's token budget.
+struct PrefixOutbox {
+    receiver: tokio::sync::broadcast::Receiver<Arc<SharedPrefix>>,
+    carried: Option<Arc<SharedPrefix>>,
+}
+
+/// Serves one sibling's subscription: the stream of this replica's own bookings, and with
+/// `want_prefixes` the conversation prefixes its tokenizers render.
+pub fn bookings_stream_response(router: &Arc<Router>, want_prefixes: bool) -> Response {
     let Ok(permit) = router.load_share.subscribers.clone().try_acquire_owned() else {
         let mut resp = (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -67,15 +81,19 @@ pub fn bookings_stream_response(router: &Arc<Router>) -> Response {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let outbox = router.load_share.pending_out.subscribe();
+    let prefix_outbox = want_prefixes.then(|| PrefixOutbox {
+        receiver: router.tokenizers.subscribe_shared(),
+        carried: None,
+    });
     let state = (
         router.clone(),
         FrameSender::default(),
         ticker,
-        (permit, outbox),
+        (permit, outbox, prefix_outbox),
     );
     let frames = futures::stream::unfold(
         state,
-        |(router, mut sender, mut ticker, (permit, mut outbox))| async move {
+        |(router, mut sender, mut ticker, (permit, mut outbox, mut prefix_outbox))| async move {
             loop {
                 tokio::select! {
                     _ = router.shutdown.cancelled() => return None,
@@ -83,20 +101,37 @@ pub fn bookings_stream_response(router: &Arc<Router>) -> Response {
                 }
                 let ranks = own_ranks(&router.registry.workers());
                 let pending = drain_outbox(&router, &mut outbox);
+                let prefixes = prefix_outbox
+                    .as_mut()
+                    .map(|o| drain_prefixes(&router, o))
+                    .unwrap_or_default();
                 let now = clock_us();
-                if let Some(frame) =
-                    sender.next_frame(&ranks, now, LOAD_SHARE_HEARTBEAT_MS * 1_000, pending)
-                {
+                if let Some(mut frame) = sender.next_frame(
+                    &ranks,
+                    now,
+                    LOAD_SHARE_HEARTBEAT_MS * 1_000,
+                    pending,
+                    prefixes,
+                ) {
                     let key = router.config.internal_auth_token.as_deref();
-                    let line = bytes::Bytes::from(encode_line(&frame, key));
+                    let mut line = encode_line(&frame, key);
+                    let prefixes_sent = frame.take_prefixes().len();
+                    if line.len() > LOAD_FRAME_MAX_BYTES && prefixes_sent > 0 {
+                        // A frame of many ranks plus its prefixes would be refused by the
+                        // follower; the prefixes are hints, the bookings are not.
+                        line = encode_line(&frame, key);
+                        prefix_count(&router, "lost", prefixes_sent);
+                    } else {
+                        prefix_count(&router, "sent", prefixes_sent);
+                    }
                     router
                         .metrics
                         .load_share_frames
                         .with_label_values(&["sent"])
                         .inc();
                     return Some((
-                        Ok::<_, std::convert::Infallible>(line),
-                        (router, sender, ticker, (permit, outbox)),
+                        Ok::<_, std::convert::Infallible>(bytes::Bytes::from(line)),
+                        (router, sender, ticker, (permit, outbox, prefix_outbox)),
                     ));
                 }
             }
@@ -133,6 +168,46 @@ fn drain_outbox(
         }
     }
     pending
+}
+
+/// The rendered prefixes offered since the stream's last frame, within one frame's budget
+/// ([`LOAD_FRAME_PREFIXES_MAX`], [`LOAD_FRAME_PREFIX_TOKENS_MAX`]); the first one past the
+/// token budget waits for the next frame. A stream that fell more than the ring behind loses
+/// the oldest (the sibling then renders them itself).
+fn drain_prefixes(router: &Router, outbox: &mut PrefixOutbox) -> Vec<SharedPrefix> {
+    use tokio::sync::broadcast::error::TryRecvError;
+    let mut prefixes: Vec<SharedPrefix> = Vec::new();
+    let mut tokens = 0usize;
+    while prefixes.len() < LOAD_FRAME_PREFIXES_MAX {
+        let next = match outbox.carried.take() {
+            Some(p) => p,
+            None => match outbox.receiver.try_recv() {
+                Ok(p) => p,
+                Err(TryRecvError::Lagged(lost)) => {
+                    prefix_count(router, "lost", lost as usize);
+                    continue;
+                }
+                Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+            },
+        };
+        if tokens + next.tokens.len() > LOAD_FRAME_PREFIX_TOKENS_MAX {
+            outbox.carried = Some(next);
+            break;
+        }
+        tokens += next.tokens.len();
+        prefixes.push((*next).clone());
+    }
+    prefixes
+}
+
+fn prefix_count(router: &Router, result: &str, n: usize) {
+    if n > 0 {
+        router
+            .metrics
+            .shared_prefixes
+            .with_label_values(&[result])
+            .inc_by(n as u64);
+    }
 }
 
 /// Starts the follower side: a supervisor that keeps one reader per sibling in `router.peers`,
@@ -224,7 +299,7 @@ async fn read_stream(router: &Router, peer: &PeerUrl) -> StreamEnd {
     let token = router.config.internal_auth_token.as_deref();
     let stale = Duration::from_millis(router.config.load_share.stale_ms);
     let mut req = router.http.get(format!(
-        "{}{LOAD_BOOKINGS_PATH}",
+        "{}{LOAD_BOOKINGS_PATH}?{WANT_PREFIXES_QUERY}",
         peer.as_str().trim_end_matches('/')
     ));
     if let Some(t) = token {
@@ -284,6 +359,7 @@ async fn read_stream(router: &Router, peer: &PeerUrl) -> StreamEnd {
                 .map_err(|e| e.to_string())
                 .and_then(|mut frame| {
                     adopt_pending(router, frame.take_pending());
+                    adopt_prefixes(router, frame.take_prefixes());
                     let mut tables = share.tables.lock();
                     let table = tables.entry(peer.clone()).or_default();
                     table.apply(frame, clock_us()).map_err(|e| e.to_string())
@@ -332,6 +408,20 @@ fn adopt_pending(router: &Router, pending: Vec<SharedPending>) {
             .pending
             .record(&p.model, &p.hashes, 0, rank, now, false);
     }
+}
+
+/// Gives a sibling's rendered prefixes to this replica's tokenizer of the same fingerprint;
+/// those made with a tokenizer this replica does not have, or that it refuses, are counted.
+fn adopt_prefixes(router: &Router, prefixes: Vec<SharedPrefix>) {
+    let (mut adopted, mut refused) = (0, 0);
+    for p in &prefixes {
+        match router.tokenizers.by_fingerprint(p.tokenizer) {
+            Some(t) if t.adopt_shared_prefix(p) => adopted += 1,
+            _ => refused += 1,
+        }
+    }
+    prefix_count(router, "adopted", adopted);
+    prefix_count(router, "refused", refused);
 }
 
 fn refused(router: &Router) {

@@ -14,10 +14,18 @@
 //! pre-tokenizer always splits at) on those boundaries, so this holds for ordinary templates. It
 //! is not assumed: the first [`VERIFY_FIRST_CHATS`] chats of a model, and one in
 //! [`VERIFY_EVERY_NTH_CHAT`] after that, are also tokenized whole and compared; one mismatch
-//! switches that model to whole-text tokenization for good. The first ones are checked before
-//! they are used; the periodic ones (at most one per [`VERIFY_INTERVAL_MIN_MS`]) on the blocking
-//! pool, off the request's thread (a whole tokenization costs milliseconds and would stall every
-//! request queued behind it). If a template's rendering of a prefix
+//! switches that model to whole-text tokenization for good. Every check runs on the blocking
+//! pool, off the request's thread, one at a time per model: a whole tokenization costs
+//! milliseconds (tens for a long chat) and would stall every request queued behind it on that
+//! thread. The first checks run one after another from the first chat on, until
+//! [`VERIFY_FIRST_CHATS`] have completed (a chat that comes while one runs is not checked), so a
+//! template that breaks the assumption is caught within the first check's time; the periodic
+//! ones at most one per [`VERIFY_INTERVAL_MIN_MS`]. Meanwhile the chats route on their segmented
+//! tokens: a chat's token ids only steer routing (its body is forwarded as sent), so a check that
+//! lags costs at most the routing of the chats before it. (Checking the first chats inline had
+//! every new replica pay a whole tokenization on each of its first 32 chats' paths: behind a
+//! round robin of four fresh replicas a third of the demo's requests; docs/BENCHMARKS.md.) If a
+//! template's rendering of a prefix
 //! is not a prefix of the longer rendering (templates that look at the last message), that request
 //! is tokenized whole.
 //!
@@ -26,6 +34,21 @@
 //! conversation's next turn renders only the messages it adds (and the generation prompt), and a
 //! repeated request renders nothing. A remembered prefix is only used after checking, by length
 //! and hash, that the new rendering starts with it.
+//!
+//! Shared with siblings. Behind a per-request round robin, a conversation's next turn reaches a
+//! replica that tokenized few of its earlier turns; alone, that replica renders and tokenizes every
+//! message its siblings already did (it doubled the data plane's CPU per request with four
+//! replicas; docs/BENCHMARKS.md). So every conversation prefix a replica renders is also offered
+//! (`SharedPrefix`: its key, rendering length and hash, and the segment's tokens) to the load-sharing
+//! stream, which carries it to the siblings that asked for it (`peer::load_share_tasks`); a sibling
+//! adopts it into its own prefix cache if it holds the same tokenizer (`fingerprint`: the hash of
+//! `tokenizer.json` and the chat template) and does not know that prefix yet. An adopted prefix is
+//! used like one's own: a rendering that does not start with it is caught by the length-and-hash
+//! check, and the periodic whole-chat comparison covers its tokens (a mismatch turns segmenting off
+//! for the model, the safe direction). Chats are forwarded as text, so a wrong shared segment could
+//! misroute a chat, never change what the engine computes. Adopted prefixes live in the same
+//! bounded cache as one's own (entries and tokens), which a fleet of N replicas fills about N
+//! times as fast.
 //!
 //! Heads. A new document in a chat (a long segment the cache has not seen) is what tokenizing
 //! costs most, and routing needs little of it: a rank's match can only run past a block if the
@@ -56,6 +79,14 @@ pub const VERIFY_INTERVAL_MIN_MS: u64 = 1_000;
 pub const CACHED_SEGMENT_MAX_TOKENS: usize = 32_768;
 /// Upper bound on tokens held by one model's segment cache (4 bytes each).
 pub const SEGMENT_CACHE_TOKENS_MAX: usize = 16 * 1024 * 1024;
+/// Segments longer than this (in tokens) are not offered to siblings, so one frame of shared
+/// prefixes stays well under a frame line's limit. Large enough for a document of the long
+/// conversations workload (~14,000 tokens), whose next turn would otherwise tokenize it again on
+/// its path wherever it lands.
+pub const SHARED_PREFIX_TOKENS_MAX: usize = 16_384;
+/// Shared prefixes held for the siblings' streams between two frames (a broadcast ring: a
+/// stream that falls this far behind loses the oldest, and its sibling tokenizes them itself).
+pub const SHARED_PREFIX_QUEUE_MAX: usize = 4_096;
 /// Messages accepted in one chat request.
 pub const CHAT_MESSAGES_MAX: usize = 4_096;
 /// Segmented tokenization renders every message prefix, so its cost is about
@@ -190,6 +221,20 @@ impl TokenCost for PrefixRender {
     }
 }
 
+/// A conversation prefix this replica rendered, as offered to its siblings: the
+/// [`PrefixRender`] under its key, tagged with the tokenizer it was made with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedPrefix {
+    /// [`ModelTokenizer::fingerprint`] of the tokenizer that made it.
+    pub tokenizer: u64,
+    /// The chained key of the prefix's messages (`prefix_key`).
+    pub key: u64,
+    pub rendered_len: u64,
+    pub rendered_hash: u64,
+    /// The tokens of the segment the prefix's last message added.
+    pub tokens: Arc<[u32]>,
+}
+
 /// Chained key of a conversation prefix: message `k`'s canonical JSON hashed with the key of
 /// `messages[..k]` as seed. The generation prompt gets its own step with a fixed marker.
 fn prefix_key(parent: u64, message_json: &[u8]) -> u64 {
@@ -219,11 +264,19 @@ pub struct ModelTokenizer {
     completions_done: AtomicU64,
     /// Set while a periodic verification runs in the background (at most one per model).
     verifying: AtomicBool,
+    /// First checks completed: until [`VERIFY_FIRST_CHATS`], every chat is offered one.
+    first_checks_done: AtomicU64,
     /// Periodic verifications completed, for tests.
     verifications_done: AtomicU64,
     /// When the last periodic verification started, in ms since `created` (`u64::MAX`: never).
     last_verify_ms: AtomicU64,
     created: std::time::Instant,
+    /// Identifies this tokenizer and chat template across replicas (see [`SharedPrefix`]).
+    fingerprint: u64,
+    /// Where rendered prefixes are offered to the siblings' streams; set by [`TokenizerSet`].
+    shared_out: Option<tokio::sync::broadcast::Sender<Arc<SharedPrefix>>>,
+    /// Prefixes adopted from siblings, for tests.
+    adopted_prefixes: AtomicU64,
     /// The most text bytes one token can stand for, when the pipeline allows a bound
     /// (see [`crate::routing::text_bound`]).
     text_bytes_per_token_max: Option<usize>,
@@ -284,6 +337,13 @@ impl ModelTokenizer {
                 .map(str::to_string),
             _ => None,
         };
+        let fingerprint = {
+            let mut h = xxhash_rust::xxh3::Xxh3::new();
+            h.update(&raw);
+            h.update(b"\x00chat_template\x00");
+            h.update(template_src.as_deref().unwrap_or_default().as_bytes());
+            h.digest()
+        };
         let template = match template_src {
             Some(src) => {
                 let mut env = minijinja::Environment::new();
@@ -316,9 +376,13 @@ impl ModelTokenizer {
             completing: std::sync::atomic::AtomicUsize::new(0),
             completions_done: AtomicU64::new(0),
             verifying: AtomicBool::new(false),
+            first_checks_done: AtomicU64::new(0),
             verifications_done: AtomicU64::new(0),
             last_verify_ms: AtomicU64::new(u64::MAX),
             created: std::time::Instant::now(),
+            fingerprint,
+            shared_out: None,
+            adopted_prefixes: AtomicU64::new(0),
             text_bytes_per_token_max,
             path: file,
         })
@@ -489,14 +553,10 @@ impl ModelTokenizer {
             return Ok((tokens, how));
         }
         let n = self.chats_seen.fetch_add(1, Ordering::Relaxed);
-        if n < VERIFY_FIRST_CHATS {
-            // The first chats are checked before they are used, so a template that breaks the
-            // segment assumption is caught before it steers more than a handful of requests.
-            if !self.agrees_with_whole(messages, &tokens)? {
-                return Ok((self.encode_chat_whole(messages)?, ChatTokenization::Whole));
-            }
+        if self.first_checks_done() < VERIFY_FIRST_CHATS {
+            self.verify_aside(messages, &tokens, Check::First);
         } else if n.is_multiple_of(VERIFY_EVERY_NTH_CHAT) && self.verification_due() {
-            self.verify_aside(messages, &tokens);
+            self.verify_aside(messages, &tokens, Check::Periodic);
         }
         Ok((tokens, how))
     }
@@ -535,7 +595,7 @@ impl ModelTokenizer {
             .is_ok()
     }
 
-    /// The periodic check, run on the blocking pool instead of the request's thread.
+    /// A check (first or periodic), run on the blocking pool instead of the request's thread.
     ///
     /// Why: tokenizing a long chat whole costs milliseconds, and done inline on a data-plane
     /// thread it delays this request and every request queued behind it on that thread (the
@@ -543,8 +603,8 @@ impl ModelTokenizer {
     /// request routes on its segmented tokens either way (a chat's token ids only steer routing;
     /// its body is forwarded as the client sent it), so the check can run aside; a mismatch
     /// disables the cache for the requests after it. At most one check runs per model; a
-    /// sample that comes while one runs is skipped. Outside a tokio runtime it runs inline.
-    fn verify_aside(self: &Arc<Self>, messages: &[Value], segmented: &[u32]) {
+    /// chat that comes while one runs is not checked. Outside a tokio runtime it runs inline.
+    fn verify_aside(self: &Arc<Self>, messages: &[Value], segmented: &[u32], kind: Check) {
         if self.verifying.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -553,13 +613,21 @@ impl ModelTokenizer {
             let (messages, segmented) = (messages.to_vec(), segmented.to_vec());
             move || {
                 if let Err(e) = me.agrees_with_whole(&messages, &segmented) {
-                    tracing::debug!(error = %e, "periodic chat tokenization check failed to run");
+                    tracing::debug!(error = %e, "chat tokenization check failed to run");
                 }
-                me.verifications_done.fetch_add(1, Ordering::Relaxed);
+                match kind {
+                    Check::First => me.first_checks_done.fetch_add(1, Ordering::AcqRel),
+                    Check::Periodic => me.verifications_done.fetch_add(1, Ordering::Relaxed),
+                };
                 me.verifying.store(false, Ordering::Release);
             }
         };
         run_aside(check);
+    }
+
+    /// First checks (the first [`VERIFY_FIRST_CHATS`]) completed so far.
+    pub fn first_checks_done(&self) -> u64 {
+        self.first_checks_done.load(Ordering::Acquire)
     }
 
     /// Periodic (background) verifications completed so far.
@@ -673,14 +741,13 @@ impl ModelTokenizer {
             out.extend_from_slice(&tokens);
             prev_len = rendered.len();
             prev_hash = xxhash_rust::xxh3::xxh3_64(rendered.as_bytes());
-            self.prefixes.lock().insert(
-                step_key,
-                PrefixRender {
-                    rendered_len: prev_len,
-                    rendered_hash: prev_hash,
-                    segment: tokens,
-                },
-            );
+            let known = PrefixRender {
+                rendered_len: prev_len,
+                rendered_hash: prev_hash,
+                segment: tokens,
+            };
+            self.offer_to_siblings(step_key, &known);
+            self.prefixes.lock().insert(step_key, known);
         }
         Ok(Some((
             out,
@@ -689,6 +756,65 @@ impl ModelTokenizer {
                 fresh_segments: fresh,
             },
         )))
+    }
+
+    /// Identifies this tokenizer and chat template: two replicas that loaded the same files
+    /// have the same fingerprint, and only then share rendered prefixes.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Offers a prefix this replica just rendered to the siblings' streams; one atomic load
+    /// when no sibling asked for them.
+    fn offer_to_siblings(&self, key: u64, known: &PrefixRender) {
+        let Some(out) = &self.shared_out else {
+            return;
+        };
+        if out.receiver_count() == 0 || known.segment.len() > SHARED_PREFIX_TOKENS_MAX {
+            return;
+        }
+        let _ = out.send(Arc::new(SharedPrefix {
+            tokenizer: self.fingerprint,
+            key,
+            rendered_len: known.rendered_len as u64,
+            rendered_hash: known.rendered_hash,
+            tokens: known.segment.clone(),
+        }));
+    }
+
+    /// Takes a sibling's rendered prefix into this tokenizer's prefix cache, unless this
+    /// replica already knows that prefix (its own rendering stays). Refused (`false`) when it
+    /// was made with another tokenizer, is too long, or names a token id this vocabulary does
+    /// not have.
+    pub fn adopt_shared_prefix(&self, shared: &SharedPrefix) -> bool {
+        let vocabulary = self.tokenizer.get_vocab_size(true);
+        if shared.tokenizer != self.fingerprint
+            || shared.tokens.len() > SHARED_PREFIX_TOKENS_MAX
+            || shared.tokens.iter().any(|&t| t as usize >= vocabulary)
+        {
+            return false;
+        }
+        let Ok(rendered_len) = usize::try_from(shared.rendered_len) else {
+            return false;
+        };
+        let mut prefixes = self.prefixes.lock();
+        if prefixes.get(shared.key).is_none() {
+            prefixes.insert(
+                shared.key,
+                PrefixRender {
+                    rendered_len,
+                    rendered_hash: shared.rendered_hash,
+                    segment: shared.tokens.clone(),
+                },
+            );
+            self.adopted_prefixes.fetch_add(1, Ordering::Relaxed);
+        }
+        true
+    }
+
+    /// Prefixes adopted from siblings so far.
+    pub fn adopted_prefixes(&self) -> u64 {
+        self.adopted_prefixes.load(Ordering::Relaxed)
     }
 
     pub fn cached_segments(&self) -> usize {
@@ -702,6 +828,15 @@ impl ModelTokenizer {
 
 /// Runs `job` on the blocking pool of the current tokio runtime, or inline outside one (the
 /// background checks and completions of this module).
+/// Which count a whole-versus-segmented check adds to when it completes.
+#[derive(Debug, Clone, Copy)]
+enum Check {
+    /// One of a model's first [`VERIFY_FIRST_CHATS`].
+    First,
+    /// A later sample ([`VERIFY_EVERY_NTH_CHAT`], [`VERIFY_INTERVAL_MIN_MS`]).
+    Periodic,
+}
+
 fn run_aside(job: impl FnOnce() + Send + 'static) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
@@ -766,13 +901,37 @@ pub fn normalize_messages(messages: &[Value]) -> Vec<Value> {
         .collect()
 }
 
-/// Tokenizers by file path, so models sharing one tokenizer share its cache.
-#[derive(Default)]
+/// Tokenizers by file path, so models sharing one tokenizer share its cache; and the one
+/// channel on which every one of them offers its rendered prefixes to the siblings' streams.
 pub struct TokenizerSet {
     loaded: Mutex<HashMap<PathBuf, Arc<ModelTokenizer>>>,
+    shared_out: tokio::sync::broadcast::Sender<Arc<SharedPrefix>>,
+}
+
+impl Default for TokenizerSet {
+    fn default() -> Self {
+        TokenizerSet {
+            loaded: Mutex::new(HashMap::new()),
+            shared_out: tokio::sync::broadcast::channel(SHARED_PREFIX_QUEUE_MAX).0,
+        }
+    }
 }
 
 impl TokenizerSet {
+    /// The prefixes every loaded tokenizer renders from now on (for one sibling's stream).
+    pub fn subscribe_shared(&self) -> tokio::sync::broadcast::Receiver<Arc<SharedPrefix>> {
+        self.shared_out.subscribe()
+    }
+
+    /// The loaded tokenizer with this fingerprint, if any.
+    pub fn by_fingerprint(&self, fingerprint: u64) -> Option<Arc<ModelTokenizer>> {
+        self.loaded
+            .lock()
+            .values()
+            .find(|t| t.fingerprint == fingerprint)
+            .cloned()
+    }
+
     pub fn get_or_load(
         &self,
         path: &Path,
@@ -781,7 +940,9 @@ impl TokenizerSet {
         if let Some(t) = self.loaded.lock().get(path) {
             return Ok(t.clone());
         }
-        let t = Arc::new(ModelTokenizer::load(path, cache_entries_max)?);
+        let mut t = ModelTokenizer::load(path, cache_entries_max)?;
+        t.shared_out = Some(self.shared_out.clone());
+        let t = Arc::new(t);
         Ok(self
             .loaded
             .lock()
@@ -896,6 +1057,132 @@ mod real_tokenizer_tests {
         Arc::new(ModelTokenizer::load(&path, 1024).expect("shipped tokenizer loads"))
     }
 
+    fn conversation() -> Vec<Value> {
+        vec![
+            json!({"role": "system", "content": "You answer questions about routers. ".repeat(8)}),
+            json!({"role": "user", "content": "What does a cache-aware router do?"}),
+            json!({"role": "assistant", "content": "It sends a prompt where its prefix is cached."}),
+            json!({"role": "user", "content": "And when that rank is busy?"}),
+        ]
+    }
+
+    #[test]
+    fn a_siblings_rendered_prefixes_spare_this_replica_rendering_and_tokenizing_them() {
+        let path =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/tokenizer/tokenizer.json");
+        let siblings = TokenizerSet::default();
+        let mut offered = siblings.subscribe_shared();
+        let sibling = siblings.get_or_load(&path, 1024).expect("loads");
+        let here = shipped();
+        assert_eq!(here.fingerprint(), sibling.fingerprint(), "same files");
+        let chat = conversation();
+        let (sibling_tokens, _) = sibling.encode_chat(&chat).expect("sibling tokenizes");
+        let mut shared = 0;
+        while let Ok(prefix) = offered.try_recv() {
+            assert!(here.adopt_shared_prefix(&prefix), "adopted: {prefix:?}");
+            shared += 1;
+        }
+        assert_eq!(
+            shared,
+            chat.len() + 1,
+            "one per message and the generation prompt"
+        );
+        assert_eq!(here.adopted_prefixes(), shared as u64);
+        let (tokens, how) = here.encode_chat(&chat).expect("tokenizes");
+        assert_eq!(tokens, sibling_tokens, "the same ids as the sibling's");
+        assert_eq!(
+            how,
+            ChatTokenization::Segmented {
+                cached_segments: chat.len() + 1,
+                fresh_segments: 0
+            },
+            "every step came from the sibling"
+        );
+        // The next turn renders only what it adds, as on the replica that saw the first.
+        let mut next = chat.clone();
+        next.push(json!({"role": "assistant", "content": "It weighs the queue against the hit."}));
+        next.push(json!({"role": "user", "content": "Thanks."}));
+        let (_, how) = here.encode_chat(&next).expect("tokenizes");
+        assert_eq!(
+            how,
+            ChatTokenization::Segmented {
+                cached_segments: chat.len(),
+                fresh_segments: 3
+            }
+        );
+    }
+
+    #[test]
+    fn a_prefix_from_another_tokenizer_or_naming_ids_outside_the_vocabulary_is_refused() {
+        let here = shipped();
+        let good = SharedPrefix {
+            tokenizer: here.fingerprint(),
+            key: 1,
+            rendered_len: 3,
+            rendered_hash: 7,
+            tokens: Arc::from(vec![1u32, 2, 3]),
+        };
+        assert!(here.adopt_shared_prefix(&good));
+        let foreign = SharedPrefix {
+            tokenizer: here.fingerprint() ^ 1,
+            key: 2,
+            ..good.clone()
+        };
+        assert!(!here.adopt_shared_prefix(&foreign), "another tokenizer's");
+        let unknown_id = SharedPrefix {
+            key: 3,
+            tokens: Arc::from(vec![u32::MAX]),
+            ..good.clone()
+        };
+        assert!(
+            !here.adopt_shared_prefix(&unknown_id),
+            "an id past the vocabulary"
+        );
+        let too_long = SharedPrefix {
+            key: 4,
+            tokens: vec![1u32; SHARED_PREFIX_TOKENS_MAX + 1].into(),
+            ..good.clone()
+        };
+        assert!(
+            !here.adopt_shared_prefix(&too_long),
+            "past the shared maximum"
+        );
+        let again = SharedPrefix {
+            tokens: Arc::from(vec![9u32]),
+            ..good.clone()
+        };
+        assert!(
+            here.adopt_shared_prefix(&again),
+            "valid, but the key is known"
+        );
+        assert_eq!(here.adopted_prefixes(), 1, "a known prefix is not replaced");
+    }
+
+    #[test]
+    fn an_adopted_prefix_that_the_rendering_does_not_start_with_falls_back_to_the_whole_chat() {
+        let here = shipped();
+        let chat = conversation();
+        let first_step = prefix_key(
+            PREFIX_KEY_ROOT,
+            &serde_json::to_vec(&chat[0]).expect("json"),
+        );
+        let wrong = SharedPrefix {
+            tokenizer: here.fingerprint(),
+            key: first_step,
+            rendered_len: 5,
+            rendered_hash: 12_345,
+            tokens: Arc::from(vec![1u32, 2]),
+        };
+        assert!(here.adopt_shared_prefix(&wrong));
+        let (tokens, how) = here.encode_chat(&chat).expect("tokenizes");
+        assert_eq!(
+            how,
+            ChatTokenization::Whole,
+            "the length-and-hash check refused it"
+        );
+        assert_eq!(tokens, here.encode_chat_whole(&chat).expect("whole"));
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
     async fn sampled_chats_are_checked_on_the_blocking_pool_at_most_once_per_interval() {
         let tok = shipped();
@@ -903,12 +1190,24 @@ mod real_tokenizer_tests {
             json!({"role": "system", "content": "Be brief. ".repeat(10)}),
             json!({"role": "user", "content": "hello there"}),
         ];
-        // Chats 0..32 are checked inline; chat number VERIFY_EVERY_NTH_CHAT is the first
-        // sampled one after them, and its check is handed to the blocking pool.
-        for _ in 0..=VERIFY_EVERY_NTH_CHAT {
+        // The first checks, one at a time on the blocking pool, until VERIFY_FIRST_CHATS are
+        // done; chats sent while one runs are not checked.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while tok.first_checks_done() < VERIFY_FIRST_CHATS {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "waited 10 s for the first checks; done = {}",
+                tok.first_checks_done()
+            );
+            tok.encode_chat(&messages).unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        assert_eq!(tok.verifications_done(), 0, "no periodic check among them");
+        // Chat number VERIFY_EVERY_NTH_CHAT is the first sampled one after them.
+        tok.chats_seen.store(1, Ordering::Relaxed);
+        for _ in 0..VERIFY_EVERY_NTH_CHAT {
             tok.encode_chat(&messages).unwrap();
         }
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while tok.verifications_done() < 1 {
             assert!(
                 std::time::Instant::now() < deadline,
@@ -1162,8 +1461,9 @@ mod real_tokenizer_tests {
         for turn in 0..6 {
             conversation.push(json!({"role": "user", "content": format!("question {turn}")}));
             let before = tok.renders_total();
-            // Skip the whole-text verification renders of the first chats: count them apart.
-            let verified = tok.chats_seen.load(Ordering::Relaxed) < VERIFY_FIRST_CHATS;
+            // Skip the whole-text verification renders of the first chats (inline outside a
+            // runtime): count them apart.
+            let verified = tok.first_checks_done() < VERIFY_FIRST_CHATS;
             let (tokens, _) = tok.encode_chat(&conversation).unwrap();
             let renders = tok.renders_total() - before - u64::from(verified);
             // Turn 0 renders system, user and the generation prompt; later turns the previous
@@ -1174,8 +1474,8 @@ mod real_tokenizer_tests {
         }
         let before = tok.renders_total();
         conversation.pop();
-        tok.chats_seen
-            .store(VERIFY_FIRST_CHATS + 1, Ordering::Relaxed);
+        tok.first_checks_done
+            .store(VERIFY_FIRST_CHATS, Ordering::Relaxed);
         tok.encode_chat(&conversation).unwrap();
         assert_eq!(
             tok.renders_total(),
@@ -1209,6 +1509,43 @@ mod real_tokenizer_tests {
         let (tokens, how) = tok.encode_chat(&two).unwrap();
         assert_eq!(how, ChatTokenization::Whole);
         assert_eq!(tokens, tok.encode_chat_whole(&two).unwrap());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_template_whose_segments_tokenize_apart_is_caught_by_the_first_check_off_the_path() {
+        let mut tok = shipped();
+        // Prefix-stable, but nothing separates the messages: "in" + "teresting" tokenized
+        // apart is not "interesting" tokenized whole.
+        let mut env = minijinja::Environment::new();
+        env.add_template_owned(
+            "chat",
+            "{% for m in messages %}{{ m.content }}{% endfor %}".to_string(),
+        )
+        .unwrap();
+        Arc::get_mut(&mut tok).expect("sole owner").template = Some(env);
+        let msgs = vec![
+            json!({"role": "user", "content": "in"}),
+            json!({"role": "user", "content": "teresting questions"}),
+        ];
+        let whole = tok.encode_chat_whole(&msgs).unwrap();
+        let (first, how) = tok.encode_chat(&msgs).unwrap();
+        assert!(
+            matches!(how, ChatTokenization::Segmented { .. }),
+            "the first chat routes on its segments while it is checked aside: {how:?}"
+        );
+        assert_ne!(first, whole, "the template really splits a word");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while tok.first_checks_done() < 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "waited 10 s for the first check"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        assert!(!tok.segmented_enabled(), "the check found the mismatch");
+        let (tokens, how) = tok.encode_chat(&msgs).unwrap();
+        assert_eq!(how, ChatTokenization::Whole);
+        assert_eq!(tokens, whole);
     }
 
     #[test]
