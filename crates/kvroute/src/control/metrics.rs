@@ -45,9 +45,10 @@ pub struct Metrics {
     /// (from one, and its stream was dropped).
     pub load_share_frames: IntCounterVec,
     /// Rendered conversation prefixes shared with siblings (`routing::tokenize`), by `result`:
-    /// `sent` in a frame, `lost` (a stream lagged the ring, or a frame would have been too long),
-    /// `adopted` from a sibling, `refused` (made with a tokenizer this replica does not hold,
-    /// or invalid for it).
+    /// `sent` in a frame (once per stream), `lost` (a stream lagged the ring, or a frame would
+    /// have been too long), `adopted` from a sibling (valid here; a prefix this replica already
+    /// knew keeps its own rendering), `refused` (made with a tokenizer this replica does not
+    /// hold, or invalid for it).
     pub shared_prefixes: IntCounterVec,
     /// Siblings whose bookings currently count (heard within `--load-share-stale-ms`).
     pub load_share_siblings: prometheus::IntGauge,

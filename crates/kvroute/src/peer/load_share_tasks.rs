@@ -175,6 +175,8 @@ fn drain_outbox(
 /// token budget waits for the next frame. A stream that fell more than the ring behind loses
 /// the oldest (the sibling then renders them itself).
 fn drain_prefixes(router: &Router, outbox: &mut PrefixOutbox) -> Vec<SharedPrefix> {
+    // A carried prefix always fits an empty frame, so none can hold the outbox up for good.
+    const { assert!(crate::routing::tokenize::SHARED_PREFIX_TOKENS_MAX <= LOAD_FRAME_PREFIX_TOKENS_MAX) };
     use tokio::sync::broadcast::error::TryRecvError;
     let mut prefixes: Vec<SharedPrefix> = Vec::new();
     let mut tokens = 0usize;
