@@ -277,6 +277,10 @@ pub struct ModelTokenizer {
     shared_out: Option<tokio::sync::broadcast::Sender<Arc<SharedPrefix>>>,
     /// Prefixes adopted from siblings, for tests.
     adopted_prefixes: AtomicU64,
+    /// One past the highest token id of the vocabulary (added tokens included): a sibling's
+    /// prefix naming an id at or past it is refused. Computed once at load, because the
+    /// tokenizer's own count walks its added tokens on every call.
+    token_ids_end: u64,
     /// The most text bytes one token can stand for, when the pipeline allows a bound
     /// (see [`crate::routing::text_bound`]).
     text_bytes_per_token_max: Option<usize>,
@@ -344,6 +348,12 @@ impl ModelTokenizer {
             h.update(template_src.as_deref().unwrap_or_default().as_bytes());
             h.digest()
         };
+        let token_ids_end = tokenizer
+            .get_vocab(true)
+            .values()
+            .map(|&id| u64::from(id) + 1)
+            .max()
+            .unwrap_or(0);
         let template = match template_src {
             Some(src) => {
                 let mut env = minijinja::Environment::new();
@@ -383,6 +393,7 @@ impl ModelTokenizer {
             fingerprint,
             shared_out: None,
             adopted_prefixes: AtomicU64::new(0),
+            token_ids_end,
             text_bytes_per_token_max,
             path: file,
         })
@@ -787,10 +798,12 @@ impl ModelTokenizer {
     /// was made with another tokenizer, is too long, or names a token id this vocabulary does
     /// not have.
     pub fn adopt_shared_prefix(&self, shared: &SharedPrefix) -> bool {
-        let vocabulary = self.tokenizer.get_vocab_size(true);
         if shared.tokenizer != self.fingerprint
             || shared.tokens.len() > SHARED_PREFIX_TOKENS_MAX
-            || shared.tokens.iter().any(|&t| t as usize >= vocabulary)
+            || shared
+                .tokens
+                .iter()
+                .any(|&t| u64::from(t) >= self.token_ids_end)
         {
             return false;
         }
@@ -826,8 +839,6 @@ impl ModelTokenizer {
     }
 }
 
-/// Runs `job` on the blocking pool of the current tokio runtime, or inline outside one (the
-/// background checks and completions of this module).
 /// Which count a whole-versus-segmented check adds to when it completes.
 #[derive(Debug, Clone, Copy)]
 enum Check {
@@ -837,6 +848,8 @@ enum Check {
     Periodic,
 }
 
+/// Runs `job` on the blocking pool of the current tokio runtime, or inline outside one (the
+/// background checks and completions of this module).
 fn run_aside(job: impl FnOnce() + Send + 'static) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
@@ -1138,6 +1151,26 @@ mod real_tokenizer_tests {
             !here.adopt_shared_prefix(&unknown_id),
             "an id past the vocabulary"
         );
+        let last_id = u32::try_from(here.token_ids_end - 1).expect("a u32 vocabulary");
+        let at_the_end = SharedPrefix {
+            key: 5,
+            tokens: Arc::from(vec![last_id + 1]),
+            ..good.clone()
+        };
+        assert!(
+            !here.adopt_shared_prefix(&at_the_end),
+            "the first id past the highest one"
+        );
+        let highest = SharedPrefix {
+            key: 6,
+            tokens: Arc::from(vec![last_id]),
+            ..good.clone()
+        };
+        assert!(here.adopt_shared_prefix(&highest), "the highest id itself");
+        assert!(
+            here.tokenizer.id_to_token(last_id).is_some(),
+            "the bound is the vocabulary's own highest id"
+        );
         let too_long = SharedPrefix {
             key: 4,
             tokens: vec![1u32; SHARED_PREFIX_TOKENS_MAX + 1].into(),
@@ -1155,7 +1188,11 @@ mod real_tokenizer_tests {
             here.adopt_shared_prefix(&again),
             "valid, but the key is known"
         );
-        assert_eq!(here.adopted_prefixes(), 1, "a known prefix is not replaced");
+        assert_eq!(
+            here.adopted_prefixes(),
+            2,
+            "the two valid ones; a known prefix is not replaced"
+        );
     }
 
     #[test]
