@@ -42,6 +42,16 @@ if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
 fi
 
 start=$(date +%s)
+# The committed seeds must be what the generator writes: a generator that no longer builds (a
+# type grew a field), or seeds edited by hand that it would overwrite, fail here instead of
+# rotting until someone regenerates them. In a clean checkout the run changes nothing.
+cargo +nightly run --quiet --example gen_seeds >/dev/null
+if git -C "$root" rev-parse --git-dir >/dev/null 2>&1 &&
+  [ -n "$(git -C "$root" status --porcelain -- fuzz/seeds)" ]; then
+  git -C "$root" status --short -- fuzz/seeds >&2
+  echo "fuzz-smoke: FAILED: fuzz/seeds differ from what examples/gen_seeds.rs writes; commit the generator's output" >&2
+  exit 1
+fi
 cargo +nightly fuzz build
 built=$(date +%s)
 echo "fuzz-smoke: build took $((built - start)) s"

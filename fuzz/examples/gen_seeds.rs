@@ -143,6 +143,7 @@ fn golden_tiny() -> IndexSnapshot {
             ts: 1.5,
         }],
         empty_ranks: vec![],
+        partial_ranks: vec![],
         nodes: SnapshotNodes {
             parent: vec![NO_PARENT, 0],
             content_hash: vec![0x0102_0304_0506_0708, 0x1112_1314_1516_1718],
@@ -201,6 +202,7 @@ fn bootstrap_shaped(covered: &[u32], empty: &[u32]) -> IndexSnapshot {
             })
             .collect(),
         empty_ranks: empty.to_vec(),
+        partial_ranks: vec![],
         nodes,
     }
 }
@@ -460,7 +462,7 @@ fn token_id_seeds() {
 
 fn load_frame_seeds() {
     use kvroute_fuzz::load_frame::{
-        BookingFrame, RankBookings, RankKey, SharedPending, encode_line,
+        BookingFrame, RankBookings, RankKey, SharedPending, SharedPrefix, encode_line,
     };
     let mut s = Seeds::new("load_frame");
     let key: &[u8] = b"kvroute-fuzz-shared-secret-0001";
@@ -472,6 +474,7 @@ fn load_frame_seeds() {
         in_flight: 3,
         queued_prefill_tokens: 1_800,
         prefill_backlog_us: 5_400,
+        prefill_dispatched_us: 90_000,
     };
     let full = BookingFrame::Full {
         seq: 1,
@@ -480,6 +483,7 @@ fn load_frame_seeds() {
             (rank("http://10.0.0.1:8000", 1), RankBookings::default()),
         ],
         pending: vec![],
+        prefixes: vec![],
     };
     let delta = BookingFrame::Delta {
         seq: 2,
@@ -489,16 +493,31 @@ fn load_frame_seeds() {
             rank: rank("http://10.0.0.1:8000", 1),
             hashes: vec![0, 1, u64::MAX],
         }],
+        prefixes: vec![],
+    };
+    let with_prefixes = BookingFrame::Delta {
+        seq: 4,
+        changes: vec![],
+        pending: vec![],
+        prefixes: vec![SharedPrefix {
+            tokenizer: u64::MAX,
+            key: 7,
+            rendered_len: 12,
+            rendered_hash: 1 << 63,
+            tokens: vec![0u32, 151_643, u32::MAX].into(),
+        }],
     };
     let heartbeat = BookingFrame::Delta {
         seq: 3,
         changes: vec![],
         pending: vec![],
+        prefixes: vec![],
     };
     for (name, frame) in [
         ("full", &full),
         ("delta_with_pending", &delta),
         ("heartbeat", &heartbeat),
+        ("delta_with_prefixes", &with_prefixes),
     ] {
         for (mode, suffix, mac) in [(0u8, "plain", None), (1u8, "signed", Some(key))] {
             let line = encode_line(frame, mac);
@@ -514,13 +533,18 @@ fn load_frame_seeds() {
     input.extend_from_slice(&unsigned[..unsigned.len() - 1]);
     s.put("unsigned_to_keyed", &input);
     s.put("both_kinds", b"\x00{\"seq\":1,\"full\":[],\"delta\":[]}");
-    s.put("index_past_table", b"\x00{\"seq\":2,\"delta\":[[9,1,1,1]]}");
+    s.put("index_past_table", b"\x00{\"seq\":2,\"delta\":[[9,1,1,1,1]]}");
+    // Refused as malformed: the entries before the dispatched-work counter.
+    s.put(
+        "older_five_field_form",
+        b"\x00{\"seq\":1,\"full\":[[\"http://10.0.0.1:8000\",0,3,1800,5400]]}",
+    );
     // Found by the first smoke run (fuzz/README.md, finding 5): seq 0 after seq u64::MAX.
     s.put(
         "regression_seq_after_u64_max",
         b"\x00{\"seq\":0,\"delta\":[]}",
     );
-    s.put("huge_counts", b"\x00{\"seq\":1,\"full\":[[\"http://e\",0,18446744073709551615,18446744073709551615,18446744073709551615]]}");
+    s.put("huge_counts", b"\x00{\"seq\":1,\"full\":[[\"http://e\",0,18446744073709551615,18446744073709551615,18446744073709551615,18446744073709551615]]}");
 }
 
 fn main() {

@@ -41,6 +41,7 @@ fuzz_target!(|data: &[u8]| {
                     RankBookings::default(),
                 )],
                 pending: vec![],
+                prefixes: vec![],
             };
             let _ = table.apply(full, 1);
         }

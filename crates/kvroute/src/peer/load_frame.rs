@@ -47,9 +47,9 @@
 use std::collections::HashMap;
 use std::hash::Hash;
 
-use hmac::{Hmac, KeyInit, Mac};
+use std::sync::Arc;
 
-pub use crate::routing::tokenize::SharedPrefix;
+use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
 /// Longest frame line accepted (MAC and newline included). A full frame costs about 50 bytes
@@ -79,6 +79,23 @@ pub const LOAD_FRAME_PREFIXES_MAX: usize = 1_024;
 /// the wire, so they fill at most about half of [`LOAD_FRAME_MAX_BYTES`] (a frame that would
 /// still be too long with its ranks is sent without them).
 pub const LOAD_FRAME_PREFIX_TOKENS_MAX: usize = 65_536;
+
+/// A conversation prefix a replica's tokenizer rendered, as a frame carries it to the siblings
+/// (`routing::tokenize` makes and adopts them; the type lives here because this file is also
+/// compiled alone by the fuzz crate).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedPrefix {
+    /// The fingerprint of the tokenizer and chat template that made it
+    /// (`ModelTokenizer::fingerprint`).
+    pub tokenizer: u64,
+    /// The chained key of the prefix's messages.
+    pub key: u64,
+    /// Length and hash of the prefix's rendering, checked against the adopter's own rendering.
+    pub rendered_len: u64,
+    pub rendered_hash: u64,
+    /// The tokens of the segment the prefix's last message added.
+    pub tokens: Arc<[u32]>,
+}
 
 /// Hex digits of a frame's MAC prefix.
 const MAC_HEX_LEN: usize = 64;

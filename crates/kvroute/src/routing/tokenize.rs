@@ -222,18 +222,9 @@ impl TokenCost for PrefixRender {
 }
 
 /// A conversation prefix this replica rendered, as offered to its siblings: the
-/// [`PrefixRender`] under its key, tagged with the tokenizer it was made with.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SharedPrefix {
-    /// [`ModelTokenizer::fingerprint`] of the tokenizer that made it.
-    pub tokenizer: u64,
-    /// The chained key of the prefix's messages (`prefix_key`).
-    pub key: u64,
-    pub rendered_len: u64,
-    pub rendered_hash: u64,
-    /// The tokens of the segment the prefix's last message added.
-    pub tokens: Arc<[u32]>,
-}
+/// [`PrefixRender`] under its key, tagged with the tokenizer it was made with. Defined with the
+/// frame codec that carries it (`peer::load_frame`, which must stay free of `crate::` paths).
+pub use crate::peer::load_frame::SharedPrefix;
 
 /// Chained key of a conversation prefix: message `k`'s canonical JSON hashed with the key of
 /// `messages[..k]` as seed. The generation prompt gets its own step with a fixed marker.
