@@ -192,6 +192,50 @@ pub struct SweepRun {
     /// What the process's threads spent on a core and waiting for one while the round's
     /// requests ran, by group (`None` without procfs).
     pub thread_times: Option<HashMap<ThreadGroup, Spent>>,
+    /// What the replicas' tokenizers did for the round's requests, summed over the replicas.
+    pub tokenizing: Tokenizing,
+}
+
+/// The replicas' tokenization of one round, from their metrics: the time spent tokenizing on
+/// the requests' paths (`kvroute_tokenize_seconds`), chat segments by outcome
+/// (`kvroute_tokenizer_cache_total`: [`SEGMENT_OUTCOMES`]) and the conversation prefixes
+/// adopted from siblings (`kvroute_shared_prefixes_total{result="adopted"}`). Why the sweep
+/// prints it: prompt preparation runs on the blocking pool, so the data planes' thread times
+/// do not show what a conversation's turn costs a replica that did not tokenize its history.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Tokenizing {
+    pub on_path_s: f64,
+    pub segments: [u64; SEGMENT_OUTCOMES.len()],
+    pub prefixes_adopted: u64,
+}
+
+/// The outcomes of `kvroute_tokenizer_cache_total` the sweep reports, in its print order.
+pub const SEGMENT_OUTCOMES: [&str; 4] = ["hit", "miss", "head", "whole"];
+
+impl Tokenizing {
+    fn of(m: &kvroute::control::metrics::Metrics) -> Tokenizing {
+        Tokenizing {
+            on_path_s: ["chat", "prompt"]
+                .iter()
+                .map(|kind| {
+                    m.tokenize_latency
+                        .with_label_values(&[kind])
+                        .get_sample_sum()
+                })
+                .sum(),
+            segments: SEGMENT_OUTCOMES
+                .map(|outcome| m.tokenizer_cache.with_label_values(&[outcome]).get()),
+            prefixes_adopted: m.shared_prefixes.with_label_values(&["adopted"]).get(),
+        }
+    }
+
+    fn plus(self, other: Tokenizing) -> Tokenizing {
+        Tokenizing {
+            on_path_s: self.on_path_s + other.on_path_s,
+            segments: std::array::from_fn(|i| self.segments[i] + other.segments[i]),
+            prefixes_adopted: self.prefixes_adopted + other.prefixes_adopted,
+        }
+    }
 }
 
 /// The outcomes of `kvroute_cold_placements_total` the sweep reports, in its column order.
@@ -294,6 +338,27 @@ impl SweepRow {
             per_request_ms(spent.on_cpu_ns),
             per_request_ms(spent.runqueue_wait_ns),
         ))
+    }
+    /// Milliseconds tokenizing on the path per request, and per round the segments by outcome
+    /// ([`SEGMENT_OUTCOMES`]) and the prefixes adopted from siblings, over every round.
+    fn tokenizing_per_request_and_round(&self) -> (f64, [f64; SEGMENT_OUTCOMES.len()], f64) {
+        let sum = self
+            .rounds
+            .iter()
+            .map(|r| r.tokenizing)
+            .fold(Tokenizing::default(), Tokenizing::plus);
+        let requests = self
+            .rounds
+            .iter()
+            .map(|r| r.run.requests)
+            .sum::<usize>()
+            .max(1) as f64;
+        let rounds = self.rounds.len().max(1) as f64;
+        (
+            sum.on_path_s * 1000.0 / requests,
+            sum.segments.map(|n| n as f64 / rounds),
+            sum.prefixes_adopted as f64 / rounds,
+        )
     }
     fn failures(&self) -> usize {
         self.rounds.iter().map(|r| r.run.failures).sum()
@@ -410,6 +475,10 @@ async fn run_once(
         .iter()
         .map(|h| h.router.metrics.cold_placement_wait.get_sample_sum())
         .sum::<f64>();
+    let tokenizing = handles
+        .iter()
+        .map(|h| Tokenizing::of(&h.router.metrics))
+        .fold(Tokenizing::default(), Tokenizing::plus);
     for h in handles {
         h.shutdown().await;
     }
@@ -433,6 +502,7 @@ async fn run_once(
         cold_placements,
         cold_wait_s,
         thread_times,
+        tokenizing,
     })
 }
 
@@ -543,6 +613,7 @@ pub async fn run_sweep(args: &DemoArgs) -> Result<Vec<SweepRow>, String> {
 }
 
 fn row_json(row: &SweepRow) -> Value {
+    let (tokenize_ms, segments, adopted) = row.tokenizing_per_request_and_round();
     let thread_ms: serde_json::Map<String, Value> = [
         (ThreadGroup::ReplicaDataPlanes, "replica_data_planes"),
         (ThreadGroup::Rest, "rest"),
@@ -566,6 +637,13 @@ fn row_json(row: &SweepRow) -> Value {
         "later_turns_ttft_p90_ms_median": row.later_turns_ttft_p90_ms(),
         "busiest_rank_share_median": row.busiest_rank_share(),
         "thread_ms_per_request": thread_ms,
+        "tokenizing": {
+            "on_path_ms_per_request": tokenize_ms,
+            "segments_per_round": SEGMENT_OUTCOMES.iter().zip(segments)
+                .map(|(o, n)| (o.to_string(), json!(n)))
+                .collect::<serde_json::Map<_, _>>(),
+            "prefixes_adopted_per_round": adopted,
+        },
         "rounds": row.rounds.iter().map(|r| json!({
             "hit_rate": r.run.hit_rate,
             "ttft_p90_ms": r.run.ttft_p90_ms,
@@ -674,6 +752,19 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
                 rest_wait
             );
         }
+        for row in &rows {
+            let (on_path_ms, segments, adopted) = row.tokenizing_per_request_and_round();
+            println!(
+                "{}: tokenizing on the path {:.2} ms per request; per round, chat segments found cached {:.0}, tokenized {:.0}, chats routed on their head {:.1}, tokenized whole {:.1}; prefixes adopted from siblings {:.0}",
+                row.label(),
+                on_path_ms,
+                segments[0],
+                segments[1],
+                segments[2],
+                segments[3],
+                adopted
+            );
+        }
         println!("total wall time {:.1} s", started.elapsed().as_secs_f64());
     }
     if rows.iter().any(|r| r.failures() > 0) {
@@ -734,6 +825,38 @@ mod tests {
         let err = slow_down_router(SWEEP_TIME_SCALE_MAX, &mut router).unwrap_err();
         assert!(err.contains("--replica-cold-owner-timeout-ms 100"), "{err}");
         assert!(err.contains("1000 ms"), "{err}");
+    }
+
+    #[test]
+    fn a_rounds_tokenizing_is_read_from_each_replicas_metrics_and_summed() {
+        let replica = |hits: u64, heads: u64, chat_s: f64, adopted: u64| {
+            let m = kvroute::control::metrics::Metrics::new(prometheus::Registry::new())
+                .expect("metrics register");
+            m.tokenizer_cache.with_label_values(&["hit"]).inc_by(hits);
+            m.tokenizer_cache.with_label_values(&["head"]).inc_by(heads);
+            m.tokenizer_cache
+                .with_label_values(&["other"])
+                .inc_by(1_000);
+            m.tokenize_latency
+                .with_label_values(&["chat"])
+                .observe(chat_s);
+            m.tokenize_latency
+                .with_label_values(&["prompt"])
+                .observe(0.001);
+            m.shared_prefixes
+                .with_label_values(&["adopted"])
+                .inc_by(adopted);
+            m.shared_prefixes.with_label_values(&["sent"]).inc_by(1_000);
+            Tokenizing::of(&m)
+        };
+        let round = replica(5, 1, 0.010, 7).plus(replica(2, 0, 0.004, 3));
+        assert_eq!(round.segments, [7, 0, 1, 0], "hit, miss, head, whole");
+        assert_eq!(round.prefixes_adopted, 10, "adopted only, not sent");
+        assert!(
+            (round.on_path_s - 0.016).abs() < 1e-9,
+            "chat and prompt time of both replicas: {}",
+            round.on_path_s
+        );
     }
 
     #[test]
