@@ -978,7 +978,7 @@ fn workload_summary(args: &DemoArgs) -> String {
     if args.workload == Workload::LongConversations {
         let l = &args.long;
         return format!(
-            "long conversations: {} sessions (a ~{}-token shared system block, a ~{}-word first \
+            "long conversations: {} sessions (a {}-word shared system block, a ~{}-word first \
              turn each), up to {} follow-ups (popularity Zipf {}), arrivals every ~{} ms, think \
              {}-{} ms, {} device blocks per rank, seed {}",
             l.sessions,

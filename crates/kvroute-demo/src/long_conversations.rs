@@ -3,22 +3,26 @@
 //! sessions (issue 17, part 4).
 //!
 //! Shape, and why each part is there:
-//! - One shared system block (~512 tokens) opens every conversation; everything after it is the
-//!   conversation's own: a long first user turn (a "document" of `--context-words` words, about
-//!   one token each, so the first prompt is ~12,000 tokens) and short follow-ups. Reuse across
+//! - One shared system block (500 words) opens every conversation; everything after it is the
+//!   conversation's own: a long first user turn (a "document" of `--context-words` words) and
+//!   short follow-ups. With the shipped tokenizer (an 8,192-entry vocabulary, which splits many
+//!   of the workload's words in two) a first prompt is 19,000-28,000 tokens, median ~24,000, as
+//!   the engines count them: about twice the ~12,000 of the trace this imitates, whose models'
+//!   vocabularies hold such words whole. Reuse across
 //!   conversations is therefore tiny; reuse WITHIN a conversation is nearly the whole prompt,
 //!   and only a router that sends a continuation back to the rank holding its history gets it.
 //! - Sessions arrive as a Poisson process (`--session-arrival-ms` mean gap, 300 ms: the serial
-//!   prefill of ~14k-token first turns keeps the fleet busy but not saturated), not all at once.
+//!   prefill of ~24k-token first turns keeps the fleet busy but not saturated), not all at once.
 //! - Session popularity is Zipf (`--session-skew`): the most popular session gets
 //!   `--session-extra-turns-max` follow-ups, the i-th `max / (i+1)^skew` of them (rounded), so
 //!   most sessions are one-shot and a few are long-lived. Which sessions are popular is drawn at
 //!   random, so they do not all start first.
 //! - Follow-ups arrive after a think time drawn uniformly from `--think-min-ms..=--think-max-ms`
 //!   (seconds, compressed from the minutes of real traces so a run takes about a minute).
-//! - The fleet holds about half the working set: `--long-capacity-blocks` device blocks per rank
-//!   (default 4,096: 8 ranks x 4,096 x 16 tokens = 524 k tokens against ~1.1 M tokens of
-//!   conversations), so eviction decides which histories survive.
+//! - The fleet holds a fraction of the working set: `--long-capacity-blocks` device blocks per
+//!   rank (default 4,096: 8 ranks x 4,096 x 16 tokens = 524 k tokens against ~2.4 M tokens of
+//!   conversations with the shipped tokenizer, a fifth; the trace's fleets held about half), so
+//!   eviction decides which histories survive.
 //!
 //! Every draw comes from the demo's seed, so every router sees exactly the same requests at the
 //! same offsets.
@@ -33,7 +37,8 @@ use rand::{Rng, SeedableRng};
 
 use crate::{Conversation, words};
 
-/// Words of the shared system block (about one token each, plus the template's few).
+/// Words of the shared system block (the trace's block is 512 tokens; with the shipped
+/// tokenizer these words make about twice that, like the documents).
 pub const SYSTEM_BLOCK_WORDS: usize = 500;
 /// Largest value accepted for any of this workload's word, session or turn counts: enough for
 /// any run this machine can drive, small enough that a typo cannot allocate gigabytes.

@@ -200,8 +200,8 @@ pub struct SweepRun {
 /// the requests' paths (`kvroute_tokenize_seconds`), chat segments by outcome
 /// (`kvroute_tokenizer_cache_total`: [`SEGMENT_OUTCOMES`]) and the conversation prefixes
 /// adopted from siblings (`kvroute_shared_prefixes_total{result="adopted"}`). Why the sweep
-/// prints it: prompt preparation runs on the blocking pool, so the data planes' thread times
-/// do not show what a conversation's turn costs a replica that did not tokenize its history.
+/// prints it: a long conversation's body is prepared on the blocking pool, so the data planes'
+/// thread times do not show what its turn costs a replica that did not tokenize its history.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Tokenizing {
     pub on_path_s: f64,

@@ -79,14 +79,22 @@ pub const VERIFY_INTERVAL_MIN_MS: u64 = 1_000;
 pub const CACHED_SEGMENT_MAX_TOKENS: usize = 32_768;
 /// Upper bound on tokens held by one model's segment cache (4 bytes each).
 pub const SEGMENT_CACHE_TOKENS_MAX: usize = 16 * 1024 * 1024;
-/// Segments longer than this (in tokens) are not offered to siblings, so one frame of shared
-/// prefixes stays well under a frame line's limit. Large enough for a document of the long
-/// conversations workload (~14,000 tokens), whose next turn would otherwise tokenize it again on
-/// its path wherever it lands.
-pub const SHARED_PREFIX_TOKENS_MAX: usize = 16_384;
+/// Segments longer than this (in tokens) are not offered to siblings: every segment this
+/// replica caches ([`CACHED_SEGMENT_MAX_TOKENS`]), so a long document a sibling tokenized is not
+/// tokenized again on its next turn's path wherever it lands (the long-conversations workload's
+/// documents are 19,000-28,000 tokens). One such prefix is about 230 KB of a frame's JSON, under
+/// half of a frame line's limit (`peer::load_frame`).
+pub const SHARED_PREFIX_TOKENS_MAX: usize = CACHED_SEGMENT_MAX_TOKENS;
 /// Shared prefixes held for the siblings' streams between two frames (a broadcast ring: a
 /// stream that falls this far behind loses the oldest, and its sibling tokenizes them itself).
-pub const SHARED_PREFIX_QUEUE_MAX: usize = 4_096;
+/// The ring keeps a prefix until every stream has taken it, so a sibling that stops reading
+/// pins at most this many: [`SHARED_PREFIX_PINNED_BYTES_MAX`] at the longest.
+pub const SHARED_PREFIX_QUEUE_MAX: usize = 512;
+/// The most bytes of token ids the shared-prefix ring can pin (4 bytes a token).
+pub const SHARED_PREFIX_PINNED_BYTES_MAX: usize = 64 * 1024 * 1024;
+const _: () = assert!(
+    SHARED_PREFIX_QUEUE_MAX * SHARED_PREFIX_TOKENS_MAX * 4 <= SHARED_PREFIX_PINNED_BYTES_MAX
+);
 /// Messages accepted in one chat request.
 pub const CHAT_MESSAGES_MAX: usize = 4_096;
 /// Segmented tokenization renders every message prefix, so its cost is about
