@@ -774,13 +774,14 @@ impl ModelTokenizer {
         self.fingerprint
     }
 
-    /// Offers a prefix this replica just rendered to the siblings' streams; one atomic load
-    /// when no sibling asked for them.
+    /// Offers a prefix this replica just rendered to the siblings' streams. When no sibling
+    /// asked for them it costs the channel's receiver count: one uncontended lock of its tail
+    /// (tokio's broadcast keeps the count under that lock), no allocation.
     fn offer_to_siblings(&self, key: u64, known: &PrefixRender) {
         let Some(out) = &self.shared_out else {
             return;
         };
-        if out.receiver_count() == 0 || known.segment.len() > SHARED_PREFIX_TOKENS_MAX {
+        if known.segment.len() > SHARED_PREFIX_TOKENS_MAX || out.receiver_count() == 0 {
             return;
         }
         let _ = out.send(Arc::new(SharedPrefix {
