@@ -16,8 +16,9 @@
 #   env names) change the workload for every row alike; the earlier, uniform light workload is
 #   `KVROUTE_DEMO_SYSTEM_PROMPT_SKEW=0 KVROUTE_DEMO_CONVERSATIONS=40 KVROUTE_DEMO_CONCURRENCY=16
 #   FLEET_PREFILL=parallel`. `KVROUTE_DEMO_WORKLOAD=long-conversations` runs the demo's long,
-#   mostly unique conversations instead (see `kvroute-demo --help`), with every fleet's caches
-#   sized to about half of that workload (`KVROUTE_DEMO_LONG_CAPACITY_BLOCKS`, 4,096 blocks).
+#   mostly unique conversations instead (see `kvroute-demo --help`; sized like a production
+#   trace, a mean prompt of ~12k tokens), with every fleet's caches sized to about half of that
+#   workload (`KVROUTE_DEMO_LONG_CAPACITY_BLOCKS`, 4,096 blocks).
 # - Every row gets a FRESH `kvroute-sim` process configured like the demo's in-process fleet:
 #   4 engines x 2 DP ranks = 8 ranks, block 16 tokens, 320 device blocks per rank, 2 ms
 #   overhead + 60 us per uncached prompt token + 1 ms per output token, load stats published,

@@ -982,7 +982,7 @@ fn workload_summary(args: &DemoArgs) -> String {
              turn each), up to {} follow-ups (popularity Zipf {}), arrivals every ~{} ms, think \
              {}-{} ms, {} device blocks per rank, seed {}",
             l.sessions,
-            long_conversations::SYSTEM_BLOCK_WORDS,
+            l.system_block_words,
             l.context_words,
             l.session_extra_turns_max,
             l.session_skew,
@@ -1018,7 +1018,7 @@ fn workload_json(args: &DemoArgs) -> Value {
             let l = &args.long;
             json!({
                 "sessions": l.sessions,
-                "system_block_words": long_conversations::SYSTEM_BLOCK_WORDS,
+                "system_block_words": l.system_block_words,
                 "context_words": l.context_words,
                 "session_extra_turns_max": l.session_extra_turns_max,
                 "session_skew": l.session_skew,

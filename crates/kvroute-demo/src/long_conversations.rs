@@ -3,16 +3,20 @@
 //! sessions (issue 17, part 4).
 //!
 //! Shape, and why each part is there:
-//! - One shared system block (500 words) opens every conversation; everything after it is the
-//!   conversation's own: a long first user turn (a "document" of `--context-words` words) and
-//!   short follow-ups. With the shipped tokenizer (an 8,192-entry vocabulary, which splits many
-//!   of the workload's words in two) a first prompt is 19,000-28,000 tokens, median ~24,000, as
-//!   the engines count them: about twice the ~12,000 of the trace this imitates, whose models'
-//!   vocabularies hold such words whole. Reuse across
-//!   conversations is therefore tiny; reuse WITHIN a conversation is nearly the whole prompt,
-//!   and only a router that sends a continuation back to the rank holding its history gets it.
+//! - It is sized like the production trace the issue replays (mean prompt ~12,000 tokens, one
+//!   shared 512-token block, caches holding about half the working set), as the engines count
+//!   tokens with the shipped tokenizer (an 8,192-entry vocabulary, ~2.06 tokens per word of this
+//!   generator): a test (`the_defaults_are_sized_like_the_production_trace`) tokenizes the
+//!   defaults and holds them there. Measured at the defaults: a 517-token block, a mean prompt
+//!   of ~11,800 tokens, caches holding ~46 % of the conversations' tokens.
+//! - One shared system block (`--system-block-words`, 250) opens every conversation; everything
+//!   after it is the conversation's own: a long first user turn (a "document" of
+//!   `--context-words` words, 5,500 +- 20 %) and short follow-ups. Reuse across conversations
+//!   is therefore tiny; reuse WITHIN a conversation is nearly the whole prompt, and only a
+//!   router that sends a continuation back to the rank holding its history gets it.
 //! - Sessions arrive as a Poisson process (`--session-arrival-ms` mean gap, 300 ms: the serial
-//!   prefill of ~24k-token first turns keeps the fleet busy but not saturated), not all at once.
+//!   prefill of ~12k-token first turns, ~0.7 s each, keeps each rank about a third busy, so
+//!   load weighs on a choice without deciding it), not all at once.
 //! - Session popularity is Zipf (`--session-skew`): the most popular session gets
 //!   `--session-extra-turns-max` follow-ups, the i-th `max / (i+1)^skew` of them (rounded), so
 //!   most sessions are one-shot and a few are long-lived. Which sessions are popular is drawn at
@@ -20,9 +24,11 @@
 //! - Follow-ups arrive after a think time drawn uniformly from `--think-min-ms..=--think-max-ms`
 //!   (seconds, compressed from the minutes of real traces so a run takes about a minute).
 //! - The fleet holds a fraction of the working set: `--long-capacity-blocks` device blocks per
-//!   rank (default 4,096: 8 ranks x 4,096 x 16 tokens = 524 k tokens against ~2.4 M tokens of
-//!   conversations with the shipped tokenizer, a fifth; the trace's fleets held about half), so
-//!   eviction decides which histories survive.
+//!   rank (default 4,096: 8 ranks x 4,096 x 16 tokens = 524 k tokens against ~1.13 M tokens of
+//!   conversations, about half, as in the trace), so eviction decides which histories survive.
+//!   Runs before 2026-12-07 used twice the words (500 and 11,000): prompts of ~24k tokens
+//!   against caches holding a fifth; `--system-block-words 500 --context-words 11000` gives
+//!   that shape again.
 //!
 //! Every draw comes from the demo's seed, so every router sees exactly the same requests at the
 //! same offsets.
@@ -37,20 +43,20 @@ use rand::{Rng, SeedableRng};
 
 use crate::{Conversation, words};
 
-/// Words of the shared system block (the trace's block is 512 tokens; with the shipped
-/// tokenizer these words make about twice that, like the documents).
-pub const SYSTEM_BLOCK_WORDS: usize = 500;
 /// Largest value accepted for any of this workload's word, session or turn counts: enough for
 /// any run this machine can drive, small enough that a typo cannot allocate gigabytes.
 pub const LONG_WORKLOAD_COUNT_MAX: usize = 100_000;
 
 #[derive(Debug, Args, Clone)]
 pub struct LongArgs {
+    /// long-conversations: words of the system block every session opens with.
+    #[arg(long, env = "KVROUTE_DEMO_SYSTEM_BLOCK_WORDS", default_value_t = 250, value_parser = parse_count)]
+    pub system_block_words: usize,
     /// long-conversations: sessions in the run.
     #[arg(long, env = "KVROUTE_DEMO_SESSIONS", default_value_t = 96, value_parser = parse_count)]
     pub sessions: usize,
     /// long-conversations: words of each session's first turn (its "document"), +-20 %.
-    #[arg(long, env = "KVROUTE_DEMO_CONTEXT_WORDS", default_value_t = 11_000, value_parser = parse_count)]
+    #[arg(long, env = "KVROUTE_DEMO_CONTEXT_WORDS", default_value_t = 5_500, value_parser = parse_count)]
     pub context_words: usize,
     /// long-conversations: follow-ups of the most popular session (the i-th most popular gets
     /// this / (i+1)^skew).
@@ -78,8 +84,9 @@ impl Default for LongArgs {
     /// The flags' defaults.
     fn default() -> Self {
         LongArgs {
+            system_block_words: 250,
             sessions: 96,
-            context_words: 11_000,
+            context_words: 5_500,
             session_extra_turns_max: 8,
             session_skew: 1.0,
             session_arrival_ms: 300,
@@ -109,7 +116,7 @@ pub(crate) fn conversations(args: &LongArgs, seed: u64) -> Vec<Conversation> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x10c0_4e55_10e5);
     let system = Arc::new(format!(
         "You are a careful assistant. {}",
-        words(&mut rng, SYSTEM_BLOCK_WORDS)
+        words(&mut rng, args.system_block_words)
     ));
     let mut popularity: Vec<usize> = (0..args.sessions).collect();
     popularity.shuffle(&mut rng);
@@ -191,6 +198,7 @@ mod tests {
             (d.session_arrival_ms, d.think_min_ms, d.think_max_ms)
         );
         assert_eq!(parsed.long_capacity_blocks, d.long_capacity_blocks);
+        assert_eq!(parsed.system_block_words, d.system_block_words);
         assert_eq!(parsed.session_skew, d.session_skew);
     }
 
@@ -245,6 +253,76 @@ mod tests {
         assert_eq!(a[3].user_turns, b[3].user_turns);
         assert_eq!(a[3].start_after, b[3].start_after);
         assert_ne!(a[3].user_turns, c[3].user_turns);
+    }
+
+    /// What the engines count for a run at the defaults, with the shipped tokenizer: the shared
+    /// block, the mean prompt over every request, and the share of the conversations' tokens
+    /// the fleet's caches can hold. First prompts are rendered and tokenized exactly for a
+    /// sample of sessions (all 96 take too long in a debug build); the rest is scaled from the
+    /// sample's tokens per word, plus the replies each later prompt carries.
+    fn measured_shape(args: &LongArgs) -> (usize, f64, f64) {
+        use kvroute_sim::tokenizer::{ChatMessage, TextModel};
+        let model = TextModel::load(&kvroute_sim::config::default_tokenizer_path())
+            .expect("the shipped tokenizer loads");
+        let convs = conversations(args, 7);
+        let system_tokens = model.encode(&convs[0].system).expect("encodes").len();
+        let words_of = |text: &str| text.split_whitespace().count();
+        let (mut sample_tokens, mut sample_words) = (0usize, 0usize);
+        for c in &convs[..8] {
+            let messages = [
+                ChatMessage {
+                    role: "system".into(),
+                    content: c.system.to_string(),
+                },
+                ChatMessage {
+                    role: "user".into(),
+                    content: c.user_turns[0].clone(),
+                },
+            ];
+            let rendered = model.render_chat(&messages).expect("renders");
+            sample_tokens += model.encode(&rendered).expect("encodes").len();
+            sample_words += words_of(&c.system) + words_of(&c.user_turns[0]);
+        }
+        let tokens_per_word = sample_tokens as f64 / sample_words as f64;
+        let reply_tokens = crate::REPLY_TOKENS_MAX as f64;
+        let (mut prompt_tokens_sum, mut requests, mut working_set_tokens) = (0.0, 0usize, 0.0);
+        for c in &convs {
+            let mut words = words_of(&c.system);
+            for (turn, text) in c.user_turns.iter().enumerate() {
+                words += words_of(text);
+                prompt_tokens_sum += words as f64 * tokens_per_word + turn as f64 * reply_tokens;
+                requests += 1;
+            }
+            working_set_tokens +=
+                words as f64 * tokens_per_word + c.user_turns.len() as f64 * reply_tokens;
+        }
+        let cache_tokens = (crate::ENGINES
+            * crate::DP_SIZE
+            * args.long_capacity_blocks
+            * crate::BLOCK_SIZE_TOKENS) as f64;
+        (
+            system_tokens,
+            prompt_tokens_sum / requests as f64,
+            cache_tokens / working_set_tokens,
+        )
+    }
+
+    #[test]
+    fn the_defaults_are_sized_like_the_production_trace() {
+        let (system_tokens, mean_prompt_tokens, cache_share) = measured_shape(&LongArgs::default());
+        assert!(
+            (400..=650).contains(&system_tokens),
+            "the shared block is {system_tokens} tokens; the trace's is 512"
+        );
+        assert!(
+            (10_000.0..=14_000.0).contains(&mean_prompt_tokens),
+            "the mean prompt is {mean_prompt_tokens:.0} tokens; the trace's is ~12,000"
+        );
+        assert!(
+            (0.35..=0.65).contains(&cache_share),
+            "the caches hold {:.1} % of the conversations' tokens; the trace's held about half",
+            cache_share * 100.0
+        );
     }
 
     #[test]

@@ -88,9 +88,10 @@ fn bench(c: &mut Criterion) {
     c.bench_function("encode_chat_whole_uncached_9_messages", |b| {
         b.iter(|| tok.encode_chat_whole(&messages).unwrap())
     });
-    // The first turn of a long conversation (the demo's long-conversations workload): a known
-    // ~500-word system block, then a new ~11,000-word document every iteration, which no cache
-    // can have seen (the whole of it is tokenized on the request's path).
+    // The first turn of a long conversation (the demo's long-conversations workload at twice
+    // its default words, `--system-block-words 500 --context-words 11000`): a known ~500-word
+    // system block, then a new ~11,000-word document every iteration, which no cache can have
+    // seen (the whole of it is tokenized on the request's path).
     let long_system = format!(
         "You are a careful assistant. {}",
         (0..500)
