@@ -38,6 +38,9 @@ pub const GRAFT_SLICE_BUCKETS_SECONDS: [f64; 10] = [
 ];
 
 pub const TIER_LABELS: [&str; 4] = ["device", "host", "disk", "external"];
+/// Position of the device tier in [`TIER_LABELS`] and in `RankStats::tier_blocks` (the index
+/// counts tier `i` under bit `1 << i`).
+pub const DEVICE_TIER: usize = kvroute_index::TIER_DEVICE.trailing_zeros() as usize;
 
 impl KvMetrics {
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {

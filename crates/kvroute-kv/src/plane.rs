@@ -552,12 +552,12 @@ impl KvPlane {
         self.inner.loads.get(url, dp_rank)
     }
 
-    /// Every rank's engine-reported load of the worker at `url`, read under one lock (the
-    /// routing path reads all ranks of every worker per request).
+    /// Every rank's engine-reported load and index occupancy of the worker at `url`, read under
+    /// one lock (the routing path reads all ranks of every worker per request).
     pub fn with_engine_loads<R>(
         &self,
         url: &str,
-        read: impl FnOnce(&[Option<crate::engine_loads::ReportedLoad>]) -> R,
+        read: impl FnOnce(&[crate::engine_loads::RankSlot]) -> R,
     ) -> R {
         self.inner.loads.with_worker(url, read)
     }

@@ -46,7 +46,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::bootstrap::{BootstrapEvent, GraftDisposition, GraftReceipt, GraftTarget};
 use crate::engine_loads::EngineLoads;
-use crate::metrics::{KvMetrics, TIER_LABELS};
+use crate::metrics::{DEVICE_TIER, KvMetrics, TIER_LABELS};
 use crate::rank_state::{
     Action, BootstrapOutcome, GraftHistory, HeldCost, Phase, RankMachine, ReplayAnswer,
 };
@@ -884,6 +884,15 @@ impl<S: KvSource> Pump<S> {
                     .with_label_values(&[&*key.url, dp.as_str(), tier])
                     .set(blocks as i64);
             }
+            // The routing path prices displacement by this count, so it is only offered while
+            // it is the engine's whole cache: a rank joined mid-stream, or one that lost a
+            // batch, counts fewer blocks than the engine holds and would look roomier than it
+            // is (`engine_loads`).
+            let device_blocks = rank
+                .machine
+                .history_complete()
+                .then_some(stats.tier_blocks[DEVICE_TIER]);
+            self.loads.set_cached_device_blocks(key, device_blocks);
         }
         let (bootstrap, rank_id) = (rank.bootstrap, rank.rank_id);
         if applied {
@@ -1324,6 +1333,38 @@ mod tests {
         h.barrier().await;
         assert!(h.reader.ranks().is_empty());
         assert_eq!(h.reader.total_carried(), 0);
+        h.cancel.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_ranks_cached_blocks_are_offered_to_routing_only_while_its_history_is_complete() {
+        let h = harness();
+        let cached = |url: &str| {
+            h.loads.with_worker(url, |ranks| {
+                ranks.first().and_then(|r| r.cached_device_blocks())
+            })
+        };
+        h.add(key("http://w"), 1).await;
+        h.batch(key("http://w"), 1, 0, 11).await;
+        h.batch(key("http://w"), 1, 1, 12).await;
+        h.barrier().await;
+        assert_eq!(
+            cached("http://w"),
+            Some(2),
+            "two blocks, every batch since seq 0"
+        );
+        // Batch 2 never arrives and there is no replay socket: the index misses what it held.
+        h.batch(key("http://w"), 1, 3, 13).await;
+        h.barrier().await;
+        assert_eq!(h.reader.total_carried(), 3);
+        assert_eq!(cached("http://w"), None, "a lost batch withdraws the count");
+        // A rank first heard mid-stream never had its whole history.
+        h.add(key("http://late"), 1).await;
+        h.batch(key("http://late"), 1, 5, 21).await;
+        h.barrier().await;
+        assert_eq!(cached("http://late"), None, "joined at seq 5");
+        h.remove("http://w").await;
+        assert_eq!(cached("http://w"), None, "a removed rank has no count");
         h.cancel.cancel();
     }
 

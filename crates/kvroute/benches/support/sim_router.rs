@@ -57,7 +57,7 @@ pub fn fleet_and_router(
                     .iter()
                     .map(|e| {
                         router.router.kv.with_engine_loads(&e.http_url(), |loads| {
-                            loads.iter().filter(|l| l.is_some()).count()
+                            loads.iter().filter(|l| l.load().is_some()).count()
                         })
                     })
                     .sum();

@@ -308,12 +308,12 @@ impl KvBridge {
         Some(block_size)
     }
 
-    /// Every rank's engine-reported load of the worker at `url` (indexed by DP rank), read
-    /// under one lock, for the routing path.
+    /// Every rank's engine-reported load and index occupancy of the worker at `url` (indexed by
+    /// DP rank), read under one lock, for the routing path.
     pub fn with_engine_loads<R>(
         &self,
         url: &str,
-        read: impl FnOnce(&[Option<kvroute_kv::engine_loads::ReportedLoad>]) -> R,
+        read: impl FnOnce(&[kvroute_kv::engine_loads::RankSlot]) -> R,
     ) -> R {
         self.plane.with_engine_loads(url, read)
     }

@@ -376,13 +376,21 @@ impl Router {
             first_candidate.push(candidates.len());
             self.kv.with_engine_loads(&w.url, |pushed| {
                 for (r, load) in w.ranks.iter().enumerate() {
-                    let reported = pushed.get(r).copied().flatten();
+                    let slot = pushed.get(r);
+                    let reported = slot.and_then(|s| s.load());
                     let sibling_in_flight = siblings_in_flight_counted(
                         load.sibling_in_flight.load(Ordering::Relaxed),
                         reported.map(|report| report.received_at),
                         engine_report_trusted_after,
                     );
                     let pushed = reported.map(|report| EngineLoad::from(report.stat));
+                    let queued_prefill_tokens =
+                        load.queued_prefill_tokens.load(Ordering::Relaxed).max(0)
+                            + load.sibling_queued_prefill_tokens.load(Ordering::Relaxed)
+                            + load
+                                .placed_queued_prefill_tokens
+                                .load(Ordering::Relaxed)
+                                .max(0);
                     candidates.push(RankCandidate {
                         worker_position: position,
                         dp_rank: r as u32,
@@ -396,18 +404,16 @@ impl Router {
                             in_flight: load.in_flight.load(Ordering::Relaxed).max(0)
                                 + sibling_in_flight
                                 + load.placed_in_flight.load(Ordering::Relaxed).max(0),
-                            queued_prefill_tokens: load
-                                .queued_prefill_tokens
-                                .load(Ordering::Relaxed)
-                                .max(0)
-                                + load.sibling_queued_prefill_tokens.load(Ordering::Relaxed)
-                                + load
-                                    .placed_queued_prefill_tokens
-                                    .load(Ordering::Relaxed)
-                                    .max(0),
+                            queued_prefill_tokens,
                             prefill_backlog_us: load.fleet_prefill_backlog_us(now_us) as f64,
                             engine: crate::control::engine_metrics::engine_load_given(
                                 self, w, r as u32, now_us, pushed,
+                            ),
+                            cache_room_tokens: cache_room_tokens(
+                                reported.map(|report| report.stat.max_total_num_tokens),
+                                slot.and_then(|s| s.cached_device_blocks()),
+                                group.block_size,
+                                queued_prefill_tokens,
                             ),
                         },
                     });
@@ -550,9 +556,59 @@ fn siblings_in_flight_counted(
     }
 }
 
+/// Tokens a rank's cache can still take before a prefill displaces a cached block: the
+/// engine's capacity (`max_total_num_tokens` of its load report, 0 or absent when it does not
+/// say) less the blocks the index knows it holds (absent while the index's view of the rank is
+/// incomplete, `kvroute_kv::engine_loads`) and the prefill already on its way there, which
+/// will be cached too. `None` when either figure is unknown: the cost model then charges every
+/// uncached token for a displaced one, as if the cache were full.
+fn cache_room_tokens(
+    capacity_tokens: Option<u64>,
+    cached_device_blocks: Option<u64>,
+    block_size: usize,
+    queued_prefill_tokens: i64,
+) -> Option<f64> {
+    let capacity = capacity_tokens.filter(|&c| c > 0)?;
+    let held = cached_device_blocks? as f64 * block_size as f64;
+    Some((capacity as f64 - held - queued_prefill_tokens.max(0) as f64).max(0.0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ranks_cache_room_is_its_capacity_less_what_it_holds_and_what_is_on_its_way() {
+        assert_eq!(
+            cache_room_tokens(Some(65_536), Some(1_000), 16, 4_000),
+            Some(65_536.0 - 16_000.0 - 4_000.0)
+        );
+        assert_eq!(
+            cache_room_tokens(Some(65_536), Some(0), 16, 0),
+            Some(65_536.0),
+            "an empty rank"
+        );
+        assert_eq!(
+            cache_room_tokens(Some(65_536), Some(4_096), 16, 500),
+            Some(0.0),
+            "a full rank has no room, never less than none"
+        );
+        assert_eq!(
+            cache_room_tokens(None, Some(0), 16, 0),
+            None,
+            "an engine that names no capacity"
+        );
+        assert_eq!(
+            cache_room_tokens(Some(0), Some(0), 16, 0),
+            None,
+            "a capacity of 0 is no capacity named"
+        );
+        assert_eq!(
+            cache_room_tokens(Some(65_536), None, 16, 0),
+            None,
+            "an index whose view of the rank is incomplete"
+        );
+    }
 
     #[test]
     fn an_engine_report_younger_than_a_frame_replaces_the_siblings_in_flight_and_an_older_one_does_not()

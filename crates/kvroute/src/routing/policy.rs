@@ -8,8 +8,9 @@
 //!
 //! ```text
 //! uncached  = prompt_tokens - device_hit_tokens - offloaded_hit_tokens * (1 - offloaded_fraction)
+//! displaced = max(0, uncached - cache_room_tokens)       (= uncached when the room is unknown)
 //! queued_us = min(queued_prefill_tokens * prefill_cost_us_per_token, prefill_backlog_us)
-//! cost_ms   = ( uncached * prefill_cost_us_per_token * (1 + eviction_cost_fraction)
+//! cost_ms   = ( (uncached + displaced * eviction_cost_fraction) * prefill_cost_us_per_token
 //!             + queued_us + in_flight * decode_penalty_us_per_request ) / 1000
 //! ```
 //!
@@ -27,7 +28,12 @@
 //! requests that a sibling's last frame still holds).
 //! `eviction_cost_fraction` charges each uncached token for the cached block its insertion
 //! displaces once the rank's cache is full (see [`CostWeights::eviction_cost_fraction`]); it is
-//! not time the request waits, so the prefill work booked on the rank leaves it out.
+//! not time the request waits, so the prefill work booked on the rank leaves it out. Only the
+//! tokens past the rank's free room displace anything (`RankInput::cache_room_tokens`, known
+//! when the engine names its capacity and the index holds the rank's whole history): without
+//! that, a rank nobody has used yet looked as full as the others, a new prompt went to a warm
+//! rank for the few shared blocks it holds, and ranks stayed empty while the others evicted
+//! conversations still running (docs/BENCHMARKS.md, "Long conversations against the peers").
 //! With `temperature_ms = 0` the cheapest rank wins (exact ties broken at random so equal cold
 //! ranks share load); otherwise a rank is drawn with probability proportional to
 //! `exp(-(cost_ms - min_cost_ms) / temperature_ms)`.
@@ -94,7 +100,8 @@ pub struct CostWeights {
     /// the tails of conversations still running there, whose next turns then recompute them
     /// (and displace others in turn). The model otherwise prices a cold placement at its own
     /// compute only, and under cache pressure moves conversations and opens new ones onto
-    /// busy caches more often than pays. 0 = ignore displacement.
+    /// busy caches more often than pays. Charged only for the tokens past the rank's free room
+    /// when that is known (`RankInput::cache_room_tokens`). 0 = ignore displacement.
     pub eviction_cost_fraction: f64,
     /// Softmax temperature over the cost in milliseconds; 0 picks the argmin.
     pub temperature_ms: f64,
@@ -184,6 +191,10 @@ pub struct RankInput {
     /// `f64::INFINITY` = no cap.
     pub prefill_backlog_us: f64,
     pub engine: Option<EngineLoad>,
+    /// Tokens the rank's cache can still take before a prefill displaces a cached block, when
+    /// its capacity and occupancy are known (`Router::plan`); `None` = unknown, every uncached
+    /// token displaces one.
+    pub cache_room_tokens: Option<f64>,
 }
 
 impl RankInput {
@@ -199,6 +210,9 @@ impl RankInput {
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct RankScore {
     pub uncached_tokens: f64,
+    /// The uncached tokens past the rank's free cache room, each charged for a cached block it
+    /// displaces (all of them when the room is unknown).
+    pub displaced_tokens: f64,
     pub cost_ms: f64,
     pub probability: f64,
     /// False when cache_aware's bounded-load guard set the rank aside for the first choice
@@ -240,11 +254,17 @@ pub fn score(
             .max(0.0);
     let queued_us = (input.queued_prefill_tokens.max(0) as f64 * w.prefill_cost_us_per_token)
         .min(input.prefill_backlog_us.max(0.0));
-    let cost_us = uncached * w.prefill_cost_us_per_token * (1.0 + w.eviction_cost_fraction)
+    let displaced = match input.cache_room_tokens {
+        Some(room) => (uncached - room.max(0.0)).max(0.0),
+        None => uncached,
+    };
+    let cost_us = uncached * w.prefill_cost_us_per_token
+        + displaced * w.prefill_cost_us_per_token * w.eviction_cost_fraction
         + queued_us
         + input.effective_in_flight() * w.decode_penalty_us_per_request;
     RankScore {
         uncached_tokens: uncached,
+        displaced_tokens: displaced,
         cost_ms: cost_us * MS_PER_US,
         probability: 0.0,
         within_load_bound: true,
@@ -318,6 +338,10 @@ impl Policy {
                     } else {
                         "cache_hit"
                     }
+                } else if scores[first].displaced_tokens < scores[first].uncached_tokens {
+                    // A shallower match whose free cache room spared it the displacement
+                    // charge (its load may have helped too).
+                    "room_over_cache"
                 } else {
                     "load_over_cache"
                 };
@@ -662,6 +686,7 @@ mod tests {
             queued_prefill_tokens: 0,
             prefill_backlog_us: f64::INFINITY,
             engine: None,
+            cache_room_tokens: None,
         }
     }
 
@@ -807,6 +832,67 @@ mod tests {
         assert_eq!(a.effective_in_flight(), 15.0);
         let d = policy(PolicyKind::CacheAware).decide(&[a, idle(0)], 64, 16);
         assert_eq!(d.order[0], 1);
+    }
+
+    #[test]
+    fn only_the_tokens_past_a_ranks_free_room_are_charged_for_displacement() {
+        let w = CostWeights {
+            prefill_cost_us_per_token: 100.0,
+            eviction_cost_fraction: 0.5,
+            ..CostWeights::default()
+        };
+        let cost = |room: Option<f64>| {
+            score(
+                &RankInput {
+                    cache_room_tokens: room,
+                    ..idle(0)
+                },
+                1_000,
+                16,
+                &w,
+            )
+            .cost_ms
+        };
+        // 1,000 uncached tokens at 0.1 ms each, plus half of that for each displaced token.
+        assert_eq!(cost(None), 150.0, "unknown room: every token displaces");
+        assert_eq!(cost(Some(0.0)), 150.0, "a full cache");
+        assert_eq!(cost(Some(600.0)), 120.0, "400 tokens past the room");
+        assert_eq!(cost(Some(1_000.0)), 100.0, "the prompt fits");
+        assert_eq!(cost(Some(1e9)), 100.0, "an empty cache");
+        assert_eq!(cost(Some(-5.0)), 150.0, "a room below zero is none");
+    }
+
+    #[test]
+    fn a_new_prompt_fills_an_empty_rank_before_it_displaces_a_full_ranks_conversations() {
+        // Rank 0 is full and holds the prompt's shared opening (32 blocks, 512 tokens); rank 1
+        // is empty. With both rooms unknown the shared opening wins; once rank 1's room is
+        // known, what the prompt would evict on rank 0 outweighs the opening it would reuse.
+        let prompt_tokens = 12_000;
+        let full_with_opening = RankInput {
+            cache_room_tokens: Some(0.0),
+            ..idle(32)
+        };
+        let empty = RankInput {
+            cache_room_tokens: Some(65_536.0),
+            ..idle(0)
+        };
+        let p = policy(PolicyKind::CacheAware);
+        let unknown = |r: RankInput| RankInput {
+            cache_room_tokens: None,
+            ..r
+        };
+        let d = p.decide(
+            &[unknown(full_with_opening), unknown(empty)],
+            prompt_tokens,
+            16,
+        );
+        assert_eq!(d.order[0], 0, "rooms unknown: the shared opening decides");
+        let d = p.decide(&[full_with_opening, empty], prompt_tokens, 16);
+        assert_eq!(
+            d.order[0], 1,
+            "the empty rank, whose room holds the whole prompt"
+        );
+        assert_eq!(d.reason, "room_over_cache");
     }
 
     #[test]
