@@ -418,6 +418,10 @@ impl<S: KvSource> Pump<S> {
                 if bootstrap {
                     self.publish_bootstrap(&key);
                 }
+                // A rank whose publisher has sent nothing yet counts as empty (or withheld,
+                // while bootstrapping) before its first batch: a fresh engine must be fillable.
+                let empty = self.ranks[&key].machine.counts_whole_cache().then_some(0);
+                self.loads.set_cached_device_blocks(&key, empty);
                 let _ = done.send(());
             }
             PumpMsg::RemoveRanks { url, done } => {
@@ -887,10 +891,10 @@ impl<S: KvSource> Pump<S> {
             // The routing path prices displacement by this count, so it is only offered while
             // it is the engine's whole cache: a rank joined mid-stream, or one that lost a
             // batch, counts fewer blocks than the engine holds and would look roomier than it
-            // is (`engine_loads`).
+            // is (`engine_loads`, `RankMachine::counts_whole_cache`).
             let device_blocks = rank
                 .machine
-                .history_complete()
+                .counts_whole_cache()
                 .then_some(stats.tier_blocks[DEVICE_TIER]);
             self.loads.set_cached_device_blocks(key, device_blocks);
         }
@@ -1337,7 +1341,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_ranks_cached_blocks_are_offered_to_routing_only_while_its_history_is_complete() {
+    async fn a_ranks_cached_blocks_are_offered_to_routing_until_its_stream_shows_a_missed_history()
+    {
         let h = harness();
         let cached = |url: &str| {
             h.loads.with_worker(url, |ranks| {
@@ -1345,6 +1350,11 @@ mod tests {
             })
         };
         h.add(key("http://w"), 1).await;
+        assert_eq!(
+            cached("http://w"),
+            Some(0),
+            "registered, nothing published yet"
+        );
         h.batch(key("http://w"), 1, 0, 11).await;
         h.batch(key("http://w"), 1, 1, 12).await;
         h.barrier().await;
@@ -1360,6 +1370,7 @@ mod tests {
         assert_eq!(cached("http://w"), None, "a lost batch withdraws the count");
         // A rank first heard mid-stream never had its whole history.
         h.add(key("http://late"), 1).await;
+        assert_eq!(cached("http://late"), Some(0), "nothing heard yet");
         h.batch(key("http://late"), 1, 5, 21).await;
         h.barrier().await;
         assert_eq!(cached("http://late"), None, "joined at seq 5");

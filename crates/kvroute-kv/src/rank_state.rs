@@ -440,6 +440,20 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         &self.phase
     }
 
+    /// Whether the index's count of the rank's blocks may be taken for the engine's whole cache
+    /// (the routing path prices displacement by it, `engine_loads`): the history is complete,
+    /// or the publisher has sent nothing since the rank was registered and no bootstrap spoke
+    /// for it. The second is an assumption, and the one a router must make to fill a fresh
+    /// engine: a rank that does hold blocks from before announces its next insertion with a
+    /// seq past 0, which either replays back to its origin or leaves the history incomplete,
+    /// and the count is withheld from then on.
+    pub fn counts_whole_cache(&self) -> bool {
+        self.history_complete()
+            || (self.cursor.is_none()
+                && matches!(self.phase, Phase::Live)
+                && self.outcome.is_none())
+    }
+
     /// Whether the index holds the publisher's whole stream since its seq 0 (see the field). False
     /// while bootstrapping, after a lost batch, and after a restart until the new batch 0 applies.
     pub fn history_complete(&self) -> bool {
@@ -1298,6 +1312,33 @@ mod tests {
             ]
         );
         assert!(!m.history_complete());
+    }
+
+    #[test]
+    fn a_rank_counts_the_whole_cache_until_its_stream_shows_a_history_it_missed() {
+        let mut m = M::new(false);
+        assert!(
+            m.counts_whole_cache(),
+            "nothing published since registration"
+        );
+        live(&mut m, 0, "a");
+        assert!(m.counts_whole_cache(), "applied from seq 0");
+        live(&mut m, 2, "c");
+        assert!(!m.counts_whole_cache(), "batch 1 lost");
+        let mut m = M::new(false);
+        live(&mut m, 4, "e");
+        assert!(!m.counts_whole_cache(), "first heard at seq 4");
+        let mut m = M::new(true);
+        live(&mut m, 2, "c");
+        assert!(
+            !m.counts_whole_cache(),
+            "replaying back to the origin: not yet"
+        );
+        let m = M::new_bootstrapping(true);
+        assert!(
+            !m.counts_whole_cache(),
+            "a bootstrapping rank waits for its graft's proof"
+        );
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //!
 //! ```text
 //! uncached  = prompt_tokens - device_hit_tokens - offloaded_hit_tokens * (1 - offloaded_fraction)
-//! displaced = max(0, uncached - cache_room_tokens)       (= uncached when the room is unknown)
+//! held_elsewhere = uncached tokens another rank holds (the fleet's deepest match past this one's)
+//! displaced = held_elsewhere + max(0, uncached - held_elsewhere - cache_room_tokens)
+//!             (= uncached when the room is unknown)
 //! queued_us = min(queued_prefill_tokens * prefill_cost_us_per_token, prefill_backlog_us)
 //! cost_ms   = ( (uncached + displaced * eviction_cost_fraction) * prefill_cost_us_per_token
 //!             + queued_us + in_flight * decode_penalty_us_per_request ) / 1000
@@ -28,12 +30,16 @@
 //! requests that a sibling's last frame still holds).
 //! `eviction_cost_fraction` charges each uncached token for the cached block its insertion
 //! displaces once the rank's cache is full (see [`CostWeights::eviction_cost_fraction`]); it is
-//! not time the request waits, so the prefill work booked on the rank leaves it out. Only the
-//! tokens past the rank's free room displace anything (`RankInput::cache_room_tokens`, known
-//! when the engine names its capacity and the index holds the rank's whole history): without
-//! that, a rank nobody has used yet looked as full as the others, a new prompt went to a warm
-//! rank for the few shared blocks it holds, and ranks stayed empty while the others evicted
-//! conversations still running (docs/BENCHMARKS.md, "Long conversations against the peers").
+//! not time the request waits, so the prefill work booked on the rank leaves it out. A prompt's
+//! NEW tokens (cached on no rank) displace nothing while they fit the rank's free room
+//! (`RankInput::cache_room_tokens`, known when the engine names its capacity and the index
+//! counts the rank's whole cache): without that, a rank nobody had used yet looked as full as
+//! the others, a new prompt went to a warm rank for the few shared blocks it holds, and ranks
+//! stayed empty while the others evicted conversations still running (docs/BENCHMARKS.md, "Long
+//! conversations against the peers"). Tokens another rank already holds are charged whatever
+//! the room: a second copy of them takes room new content would use, and pricing it as free
+//! sent the demo's opening burst to cold copies of system prompts that one rank was already
+//! prefilling.
 //! With `temperature_ms = 0` the cheapest rank wins (exact ties broken at random so equal cold
 //! ranks share load); otherwise a rank is drawn with probability proportional to
 //! `exp(-(cost_ms - min_cost_ms) / temperature_ms)`.
@@ -240,10 +246,27 @@ pub struct Policy {
 /// over a thousand ranks pays for far less than a division.
 const MS_PER_US: f64 = 1e-3;
 
+/// [`score_in_fleet`] for a rank whose match no other rank exceeds (nothing it would prefill is
+/// cached elsewhere).
 pub fn score(
     input: &RankInput,
     prompt_tokens: usize,
     block_size: usize,
+    w: &CostWeights,
+) -> RankScore {
+    score_in_fleet(input, prompt_tokens, block_size, input.matched_blocks, w)
+}
+
+/// The cost model (see the module comment) for one rank, given the deepest match any rank of
+/// the fleet has for the prompt (`fleet_matched_blocks`). Uncached tokens that another rank
+/// already holds are charged for displacement whatever the rank's free room: a second copy of
+/// blocks the fleet holds takes room that new content would use. Only the prompt's new tokens
+/// (cached nowhere) fill a rank's free room for free.
+pub fn score_in_fleet(
+    input: &RankInput,
+    prompt_tokens: usize,
+    block_size: usize,
+    fleet_matched_blocks: u32,
     w: &CostWeights,
 ) -> RankScore {
     let bs = block_size as f64;
@@ -252,12 +275,19 @@ pub fn score(
     let uncached =
         (prompt_tokens as f64 - device - offloaded * (1.0 - w.offloaded_block_cost_fraction))
             .max(0.0);
-    let queued_us = (input.queued_prefill_tokens.max(0) as f64 * w.prefill_cost_us_per_token)
-        .min(input.prefill_backlog_us.max(0.0));
     let displaced = match input.cache_room_tokens {
-        Some(room) => (uncached - room.max(0.0)).max(0.0),
+        Some(room) => {
+            let held_elsewhere = (fleet_matched_blocks.saturating_sub(input.matched_blocks) as f64
+                * bs)
+                .min(prompt_tokens as f64 - input.matched_blocks as f64 * bs)
+                .clamp(0.0, uncached);
+            let new = uncached - held_elsewhere;
+            held_elsewhere + (new - room.max(0.0)).max(0.0)
+        }
         None => uncached,
     };
+    let queued_us = (input.queued_prefill_tokens.max(0) as f64 * w.prefill_cost_us_per_token)
+        .min(input.prefill_backlog_us.max(0.0));
     let cost_us = uncached * w.prefill_cost_us_per_token
         + displaced * w.prefill_cost_us_per_token * w.eviction_cost_fraction
         + queued_us
@@ -302,8 +332,17 @@ impl Policy {
         let n = ranks.len();
         let mut scores: Vec<RankScore> = Vec::with_capacity(n);
         let mut in_flight_total = 0.0;
+        // What another rank holds decides how much of a prefill duplicates the fleet's cache
+        // (`score_in_fleet`); only a rank with a known free room reads it.
+        let fleet_matched_blocks = ranks.iter().map(|r| r.matched_blocks).max().unwrap_or(0);
         for r in ranks {
-            scores.push(score(r, prompt_tokens, block_size, &self.weights));
+            scores.push(score_in_fleet(
+                r,
+                prompt_tokens,
+                block_size,
+                fleet_matched_blocks,
+                &self.weights,
+            ));
             in_flight_total += r.effective_in_flight();
         }
         let mut rng = self.rng.lock();
@@ -860,6 +899,79 @@ mod tests {
         assert_eq!(cost(Some(1_000.0)), 100.0, "the prompt fits");
         assert_eq!(cost(Some(1e9)), 100.0, "an empty cache");
         assert_eq!(cost(Some(-5.0)), 150.0, "a room below zero is none");
+    }
+
+    #[test]
+    fn a_copy_of_what_another_rank_holds_is_charged_whatever_the_room() {
+        let w = CostWeights {
+            prefill_cost_us_per_token: 100.0,
+            eviction_cost_fraction: 0.5,
+            ..CostWeights::default()
+        };
+        let empty = RankInput {
+            cache_room_tokens: Some(1e9),
+            ..idle(0)
+        };
+        let cost = |fleet_matched: u32| score_in_fleet(&empty, 1_000, 16, fleet_matched, &w);
+        assert_eq!(cost(0).displaced_tokens, 0.0, "all new: the room takes it");
+        assert_eq!(cost(0).cost_ms, 100.0);
+        let half_elsewhere = cost(32);
+        assert_eq!(
+            half_elsewhere.displaced_tokens, 512.0,
+            "32 blocks another rank holds"
+        );
+        assert!((half_elsewhere.cost_ms - (100.0 + 512.0 * 0.05)).abs() < 1e-9);
+        assert_eq!(
+            cost(1_000).displaced_tokens,
+            1_000.0,
+            "a match past the prompt's end counts the prompt only"
+        );
+        let holding_some = RankInput {
+            cache_room_tokens: Some(1e9),
+            ..idle(16)
+        };
+        let own = score_in_fleet(&holding_some, 1_000, 16, 32, &w);
+        assert_eq!(own.uncached_tokens, 744.0);
+        assert_eq!(
+            own.displaced_tokens, 256.0,
+            "only the 16 blocks past its own match are held elsewhere"
+        );
+        assert_eq!(
+            score_in_fleet(
+                &RankInput {
+                    cache_room_tokens: None,
+                    ..empty
+                },
+                1_000,
+                16,
+                32,
+                &w
+            )
+            .displaced_tokens,
+            1_000.0,
+            "an unknown room: every uncached token"
+        );
+    }
+
+    #[test]
+    fn a_burst_of_one_cold_prompt_stays_on_the_rank_prefilling_it_however_empty_the_others() {
+        // Rank 0 is prefilling the prompt's whole opening (pending, 64 blocks); rank 1 is empty
+        // and idle. A second copy on rank 1 would duplicate the 1,024 tokens.
+        let prefilling = RankInput {
+            pending_blocks: 64,
+            in_flight: 1,
+            queued_prefill_tokens: 1_024,
+            prefill_backlog_us: 51_200.0,
+            cache_room_tokens: Some(4_096.0),
+            ..idle(64)
+        };
+        let empty = RankInput {
+            cache_room_tokens: Some(5_120.0),
+            ..idle(0)
+        };
+        let d = policy(PolicyKind::CacheAware).decide(&[prefilling, empty], 1_100, 16);
+        assert_eq!(d.order[0], 0, "{:?}", d.scores);
+        assert_eq!(d.reason, "pending_hit");
     }
 
     #[test]
