@@ -119,7 +119,9 @@ pub struct ServeArgs {
     pub offloaded_block_cost_fraction: f64,
     /// Share of a token's prefill charged on top for each uncached prompt token, for the
     /// cached block its insertion displaces once the rank's cache is full (conversations still
-    /// running there recompute what they lose). 0 = price a cold placement at its compute only.
+    /// running there recompute what they lose). Where the engine reports its capacity (SGLang's
+    /// load feed), new tokens that fit a rank's free room are not charged; tokens another rank
+    /// holds always are. 0 = price a cold placement at its compute only.
     #[arg(long, env = "KVROUTE_EVICTION_COST_FRACTION", default_value_t = DEFAULT_EVICTION_COST_FRACTION)]
     pub eviction_cost_fraction: f64,
     /// Softmax temperature in milliseconds of estimated TTFT; 0 = always the cheapest rank.
