@@ -62,6 +62,85 @@ async fn a_prompt_whose_prefix_is_stored_on_a_rank_is_routed_to_that_rank() {
     fleet.shutdown().await;
 }
 
+/// The cost model's free cache room end to end: the engine's load feed names its capacity, the
+/// pump counts each rank's blocks, and a new prompt goes to the idle, empty rank rather than to
+/// the full one that holds its opening (`routing::policy::score_in_fleet`). With every rank's
+/// room unknown the opening would win (the policy's unit tests pin both sides).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_prompt_fills_an_empty_rank_rather_than_displacing_a_full_ranks_cache() {
+    const CAPACITY_BLOCKS: usize = 128;
+    let fleet = kvroute_sim::start_fleet(kvroute_sim::config::SimConfig {
+        engines: 1,
+        dp_size: 2,
+        served_model_name: "m".to_string(),
+        capacity_blocks: CAPACITY_BLOCKS,
+        load_publish: true,
+        ..kvroute_sim::config::SimConfig::for_tests()
+    })
+    .await
+    .expect("fleet starts");
+    let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    let base = router.url();
+    wait_subscribed(&base, 2).await;
+    let engine = &fleet.engines[0];
+    let block = engine.block_size();
+    // Rank 0 holds the prompt's 4-block opening, then 96 blocks of other content: with the
+    // sentinels the helper stores, at most 28 blocks of its 128 are free.
+    let opening: Vec<u32> = (0..(block * 4) as u32).map(|t| 1_000 + t).collect();
+    store_until_indexed(&base, engine, 0, &opening, 4).await;
+    let other: Vec<u32> = (0..(block * (CAPACITY_BLOCKS - 32)) as u32)
+        .map(|t| 20_000 + t)
+        .collect();
+    engine.store_chains(0, &[other]);
+    let mut prompt = opening.clone();
+    prompt.extend((0..(block * 60) as u32).map(|t| 5_000 + t));
+    let req = json!({"model": "m", "prompt": prompt, "max_tokens": 1});
+    let opening_tokens = (block * 4) as f64;
+    let scored = wait_until(
+        "rank 0 mostly full and both ranks' rooms known to the router",
+        WAIT_DEADLINE,
+        || async {
+            let (_, v, _) = post_json(&format!("{base}/debug/route"), &req).await;
+            let rank = |dp: u64| {
+                v["ranks"]
+                    .as_array()
+                    .and_then(|rs| rs.iter().find(|r| r["dp_rank"] == dp))
+                    .cloned()
+                    .unwrap_or_default()
+            };
+            let (full, empty) = (rank(0), rank(1));
+            let full_room = full["cache_room_tokens"].as_f64();
+            let ready = full["matched_blocks"] == 4
+                && full_room.is_some_and(|room| room <= (28 * block) as f64)
+                && empty["cache_room_tokens"].as_f64() == Some((CAPACITY_BLOCKS * block) as f64);
+            if ready {
+                Ok(v.clone())
+            } else {
+                Err(v.to_string())
+            }
+        },
+    )
+    .await;
+    let ranks = scored["ranks"].as_array().unwrap();
+    let empty = ranks.iter().find(|r| r["dp_rank"] == 1).unwrap();
+    assert_eq!(
+        empty["displaced_tokens"].as_f64(),
+        Some(opening_tokens),
+        "only the copy of the opening rank 0 holds is charged on the empty rank: {empty}"
+    );
+    assert_eq!(scored["chosen"]["dp_rank"], 1, "{scored}");
+    assert_eq!(scored["reason"], "room_over_cache", "{scored}");
+    let (status, body, headers) = post_json(&format!("{base}/v1/completions"), &req).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        decision(&headers).contains("reason=room_over_cache;"),
+        "{}",
+        decision(&headers)
+    );
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn removing_a_worker_drops_its_ranks_from_routing_and_the_index() {
     let fleet = fleet(2, 1, "m").await;

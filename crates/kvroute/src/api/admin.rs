@@ -39,6 +39,8 @@ fn plan_json(router: &Router, plan: &RoutePlan) -> Value {
                 "index_matched_blocks": c.input.matched_blocks - c.input.pending_blocks,
                 "in_flight": c.input.in_flight, "queued_prefill_tokens": c.input.queued_prefill_tokens,
                 "engine_load": c.input.engine, "uncached_tokens": s.uncached_tokens,
+                "cache_room_tokens": c.input.cache_room_tokens,
+                "displaced_tokens": s.displaced_tokens,
                 "cost_ms": s.cost_ms, "probability": s.probability,
                 "within_load_bound": s.within_load_bound,
                 "order": plan.decision.order.iter().position(|&o| o == i),
