@@ -870,6 +870,22 @@ async fn prometheus_metrics(State(engine): State<Arc<Engine>>) -> Response {
             );
         }
     }
+    if vllm {
+        // vLLM's cache configuration as an info gauge, one series per engine core.
+        let name = "vllm:cache_config_info";
+        let _ = writeln!(
+            text,
+            "# HELP {name} Information of the LLMEngine CacheConfig\n# TYPE {name} gauge"
+        );
+        let bs = engine.cfg.block_size;
+        for r in 0..engine.dp_size() {
+            let blocks = engine.load_stat(r).max_total_num_tokens / bs as u64;
+            let _ = writeln!(
+                text,
+                "{name}{{block_size=\"{bs}\",engine=\"{r}\",model_name=\"{model}\",num_gpu_blocks=\"{blocks}\"}} 1.0"
+            );
+        }
+    }
     (
         [(
             axum::http::header::CONTENT_TYPE,

@@ -62,24 +62,62 @@ async fn a_prompt_whose_prefix_is_stored_on_a_rank_is_routed_to_that_rank() {
     fleet.shutdown().await;
 }
 
-/// The cost model's free cache room end to end: the engine's load feed names its capacity, the
-/// pump counts each rank's blocks, and a new prompt goes to the idle, empty rank rather than to
-/// the full one that holds its opening (`routing::policy::score_in_fleet`). With every rank's
-/// room unknown the opening would win (the policy's unit tests pin both sides).
+/// Device blocks per rank of the fleets in the free-room tests.
+const ROOM_TEST_CAPACITY_BLOCKS: usize = 128;
+
+/// The cost model's free cache room end to end: the engine names its capacity (SGLang's load
+/// feed), the pump counts each rank's blocks, and a new prompt goes to the idle, empty rank
+/// rather than to the full one that holds its opening (`routing::policy::score_in_fleet`). With
+/// every rank's room unknown the opening would win (the policy's unit tests pin both sides).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_prompt_fills_an_empty_rank_rather_than_displacing_a_full_ranks_cache() {
-    const CAPACITY_BLOCKS: usize = 128;
     let fleet = kvroute_sim::start_fleet(kvroute_sim::config::SimConfig {
         engines: 1,
         dp_size: 2,
         served_model_name: "m".to_string(),
-        capacity_blocks: CAPACITY_BLOCKS,
+        capacity_blocks: ROOM_TEST_CAPACITY_BLOCKS,
         load_publish: true,
         ..kvroute_sim::config::SimConfig::for_tests()
     })
     .await
     .expect("fleet starts");
     let router = kvroute::serve(router_config(&urls(&fleet))).await.unwrap();
+    new_prompt_fills_the_empty_rank(&fleet, &router).await;
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// The same with a vLLM engine, which has no load feed: the router reads its capacity from
+/// `vllm:cache_config_info` on its `/metrics` (`control::engine_metrics`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_engines_capacity_from_its_metrics_lets_a_new_prompt_fill_an_empty_rank() {
+    let fleet = kvroute_sim::start_fleet(kvroute_sim::SimConfig {
+        dp_size: 2,
+        served_model_name: "m".to_string(),
+        kv_encoding: kvroute_sim::config::KvEncodingArg::Vllm,
+        no_server_info: true,
+        capacity_blocks: ROOM_TEST_CAPACITY_BLOCKS,
+        ..kvroute_sim::SimConfig::for_tests()
+    })
+    .await
+    .expect("fleet starts");
+    let router = kvroute::serve(kvroute::RouterConfig {
+        engine_metrics_interval_ms: 100,
+        ..router_config_by_flags(&fleet.engines[0], 2, None)
+    })
+    .await
+    .unwrap();
+    new_prompt_fills_the_empty_rank(&fleet, &router).await;
+    router.shutdown().await;
+    fleet.shutdown().await;
+}
+
+/// Fills rank 0 of the fleet's one engine with the prompt's opening and other content, leaves
+/// rank 1 empty, and checks that the router sends a new prompt to rank 1 for its room.
+async fn new_prompt_fills_the_empty_rank(
+    fleet: &kvroute_sim::Fleet,
+    router: &kvroute::RouterHandle,
+) {
     let base = router.url();
     wait_subscribed(&base, 2).await;
     let engine = &fleet.engines[0];
@@ -88,7 +126,7 @@ async fn a_new_prompt_fills_an_empty_rank_rather_than_displacing_a_full_ranks_ca
     // sentinels the helper stores, at most 28 blocks of its 128 are free.
     let opening: Vec<u32> = (0..(block * 4) as u32).map(|t| 1_000 + t).collect();
     store_until_indexed(&base, engine, 0, &opening, 4).await;
-    let other: Vec<u32> = (0..(block * (CAPACITY_BLOCKS - 32)) as u32)
+    let other: Vec<u32> = (0..(block * (ROOM_TEST_CAPACITY_BLOCKS - 32)) as u32)
         .map(|t| 20_000 + t)
         .collect();
     engine.store_chains(0, &[other]);
@@ -112,7 +150,8 @@ async fn a_new_prompt_fills_an_empty_rank_rather_than_displacing_a_full_ranks_ca
             let full_room = full["cache_room_tokens"].as_f64();
             let ready = full["matched_blocks"] == 4
                 && full_room.is_some_and(|room| room <= (28 * block) as f64)
-                && empty["cache_room_tokens"].as_f64() == Some((CAPACITY_BLOCKS * block) as f64);
+                && empty["cache_room_tokens"].as_f64()
+                    == Some((ROOM_TEST_CAPACITY_BLOCKS * block) as f64);
             if ready {
                 Ok(v.clone())
             } else {
@@ -137,8 +176,6 @@ async fn a_new_prompt_fills_an_empty_rank_rather_than_displacing_a_full_ranks_ca
         "{}",
         decision(&headers)
     );
-    router.shutdown().await;
-    fleet.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

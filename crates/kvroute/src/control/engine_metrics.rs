@@ -13,6 +13,10 @@
 //! A worker whose `/metrics` has neither gauge (an SGLang engine, or no metrics at all) is asked
 //! again only every [`ENGINE_METRICS_ABSENT_RECHECK_MS`].
 //!
+//! The same body names each rank's KV cache capacity (`vllm:cache_config_info`, whose labels
+//! carry `num_gpu_blocks` and `block_size`): the cost model's free room needs it, and vLLM has
+//! no load feed to name it as SGLang's does (`max_total_num_tokens`).
+//!
 //! The parser is hand-written on purpose: it reads two gauges from a line-based format (name,
 //! optional `{labels}`, value), and the Prometheus parsing crates bring a regex engine and a date
 //! library for the rest of the format, which this never needs. It allocates nothing per line and
@@ -45,6 +49,10 @@ pub const ENGINE_METRICS_DP_RANK_MAX: u32 = 4_096;
 
 const RUNNING: &str = "vllm:num_requests_running";
 const WAITING: &str = "vllm:num_requests_waiting";
+const CACHE_CONFIG: &str = "vllm:cache_config_info";
+/// Largest capacity taken from a body, in tokens (far past any GPU's KV cache; a label beyond it
+/// is not believed).
+pub const ENGINE_CAPACITY_TOKENS_MAX: u64 = 1 << 40;
 
 /// Running and waiting requests per DP rank, as one `/metrics` body states them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -99,25 +107,69 @@ pub fn parse_vllm_load(body: &str) -> HashMap<u32, ScrapedLoad> {
     out
 }
 
+/// Each rank's KV cache capacity in tokens, from `vllm:cache_config_info` (labels
+/// `num_gpu_blocks`, `block_size`, and `engine` for the DP rank). A series missing either size,
+/// or naming 0 blocks (vLLM's value before its profiling run), says nothing.
+pub fn parse_vllm_capacity(body: &str) -> HashMap<u32, u64> {
+    let mut out = HashMap::new();
+    for line in body.lines() {
+        let Some(rest) = line.trim_start().strip_prefix(CACHE_CONFIG) else {
+            continue;
+        };
+        let Some(labels) = rest.strip_prefix('{').and_then(|r| r.split('}').next()) else {
+            continue;
+        };
+        let number = |name: &str| {
+            label_value(labels, name)
+                .ok()
+                .flatten()
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|&n| n > 0)
+        };
+        let (Some(blocks), Some(block_size), Some(rank)) = (
+            number("num_gpu_blocks"),
+            number("block_size"),
+            engine_label(labels),
+        ) else {
+            continue;
+        };
+        if let Some(tokens) = blocks
+            .checked_mul(block_size)
+            .filter(|&t| t <= ENGINE_CAPACITY_TOKENS_MAX)
+        {
+            out.insert(rank, tokens);
+        }
+    }
+    out
+}
+
 /// The DP rank a series belongs to: its `engine` label, 0 without one; `None` for a label that
 /// is not a small number.
 fn engine_label(labels: &str) -> Option<u32> {
+    match label_value(labels, "engine").ok()? {
+        Some(value) => value
+            .parse::<u32>()
+            .ok()
+            .filter(|&r| r <= ENGINE_METRICS_DP_RANK_MAX),
+        None => Some(0),
+    }
+}
+
+/// The value of label `wanted` in a series' `name="value",...` list: `Ok(None)` when the series
+/// has no such label, `Err` when the list is malformed before it is found.
+fn label_value<'a>(labels: &'a str, wanted: &str) -> Result<Option<&'a str>, ()> {
     let mut rest = labels;
     while let Some(eq) = rest.find('=') {
         let name = rest[..eq].trim().trim_start_matches(',').trim();
         let after = &rest[eq + 1..];
-        let quoted = after.strip_prefix('"')?;
-        let close = quoted.find('"')?;
-        let value = &quoted[..close];
-        if name == "engine" {
-            return value
-                .parse::<u32>()
-                .ok()
-                .filter(|&r| r <= ENGINE_METRICS_DP_RANK_MAX);
+        let quoted = after.strip_prefix('"').ok_or(())?;
+        let close = quoted.find('"').ok_or(())?;
+        if name == wanted {
+            return Ok(Some(&quoted[..close]));
         }
         rest = &quoted[close + 1..];
     }
-    Some(0)
+    Ok(None)
 }
 
 /// The engine's own report of a rank's running and waiting requests: its ZMQ load feed
@@ -263,7 +315,14 @@ async fn scrape_one(router: &Router, worker: &Worker) -> bool {
             return false;
         }
     };
-    let loads = parse_vllm_load(&String::from_utf8_lossy(&body));
+    let body = String::from_utf8_lossy(&body);
+    for (dp, tokens) in parse_vllm_capacity(&body) {
+        if let Some(load) = worker.ranks.get(dp as usize) {
+            load.engine_metrics_capacity_tokens
+                .store(tokens, Ordering::Relaxed);
+        }
+    }
+    let loads = parse_vllm_load(&body);
     if loads.is_empty() {
         router
             .metrics
@@ -294,6 +353,38 @@ async fn scrape_one(router: &Router, worker: &Worker) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ranks_capacity_is_its_gpu_blocks_times_the_block_size() {
+        let body = "# TYPE vllm:cache_config_info gauge\n\
+            vllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"4096\"} 1.0\n\
+            vllm:cache_config_info{engine=\"1\",num_gpu_blocks=\"2048\",block_size=\"32\"} 1.0\n\
+            vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\"} 1.0\n";
+        let capacity = parse_vllm_capacity(body);
+        assert_eq!(capacity.get(&1), Some(&65_536), "labels in any order");
+        assert_eq!(
+            capacity.get(&0),
+            Some(&1_600),
+            "no engine label: rank 0, the later line"
+        );
+        assert_eq!(capacity.len(), 2);
+    }
+
+    #[test]
+    fn a_capacity_series_missing_a_size_or_naming_nonsense_says_nothing() {
+        for body in [
+            "vllm:cache_config_info{block_size=\"16\",engine=\"0\"} 1.0",
+            "vllm:cache_config_info{num_gpu_blocks=\"None\",block_size=\"16\"} 1.0",
+            "vllm:cache_config_info{num_gpu_blocks=\"0\",block_size=\"16\"} 1.0",
+            "vllm:cache_config_info{num_gpu_blocks=\"18446744073709551615\",block_size=\"16\"} 1.0",
+            "vllm:cache_config_info{num_gpu_blocks=\"4096\",block_size=\"16\",engine=\"x\"} 1.0",
+            "vllm:cache_config_info{num_gpu_blocks=4096,block_size=\"16\"} 1.0",
+            "vllm:cache_config_info_total{num_gpu_blocks=\"4096\",block_size=\"16\"} 1.0",
+            "vllm:cache_config_info 1.0",
+        ] {
+            assert!(parse_vllm_capacity(body).is_empty(), "{body}");
+        }
+    }
 
     #[test]
     fn both_gauges_are_read_per_engine_label() {

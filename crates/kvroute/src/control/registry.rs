@@ -65,6 +65,10 @@ pub struct RankLoad {
     pub engine_metrics_running: AtomicU64,
     pub engine_metrics_waiting: AtomicU64,
     pub engine_metrics_at_us: AtomicU64,
+    /// The rank's KV cache capacity in tokens from vLLM's `vllm:cache_config_info`
+    /// (`num_gpu_blocks` x `block_size`), 0 = not known; engine configuration, so it does not
+    /// age like the gauges.
+    pub engine_metrics_capacity_tokens: AtomicU64,
     /// This rank's `kvroute_in_flight_requests` series, looked up by its labels once (first
     /// dispatch) instead of formatting and hashing them on every attempt.
     pub in_flight_gauge: std::sync::OnceLock<prometheus::IntGauge>,

@@ -410,7 +410,12 @@ impl Router {
                                 self, w, r as u32, now_us, pushed,
                             ),
                             cache_room_tokens: cache_room_tokens(
-                                reported.map(|report| report.stat.max_total_num_tokens),
+                                reported
+                                    .map(|report| report.stat.max_total_num_tokens)
+                                    .filter(|&tokens| tokens > 0)
+                                    .or(Some(
+                                        load.engine_metrics_capacity_tokens.load(Ordering::Relaxed),
+                                    )),
                                 slot.and_then(|s| s.cached_device_blocks()),
                                 group.block_size,
                                 queued_prefill_tokens,
@@ -557,8 +562,8 @@ fn siblings_in_flight_counted(
 }
 
 /// Tokens a rank's cache can still take before a prefill displaces a cached block: the
-/// engine's capacity (`max_total_num_tokens` of its load report, 0 or absent when it does not
-/// say) less the blocks the index knows it holds (absent while the index's view of the rank is
+/// engine's capacity (`max_total_num_tokens` of its load report, else vLLM's
+/// `vllm:cache_config_info` from its `/metrics`; 0 or absent when it does not say) less the blocks the index knows it holds (absent while the index's view of the rank is
 /// incomplete, `kvroute_kv::engine_loads`) and the prefill already on its way there, which
 /// will be cached too. `None` when either figure is unknown: the cost model then charges every
 /// uncached token for a displaced one, as if the cache were full.
