@@ -14,13 +14,15 @@
 //! a sibling's bookings still count it until its next frame).
 //!
 //! Beside each report sits the rank's cache occupancy as the index knows it: the device blocks
-//! the index carries for the rank, published by the pump (the index's only writer) after each
-//! batch it applies, and only while the index holds the rank's whole history since its
-//! publisher's seq 0 (otherwise the count misses whatever was cached before this replica
-//! listened, and is withheld). The routing path reads it with the report, under the same lock,
-//! to price what a prefill displaces against the capacity the report names
-//! (`max_total_num_tokens`). The pump stores it in an atomic under the read lock, so a batch
-//! never blocks the routing path; only a rank's first count takes the write lock.
+//! the index carries for the rank, published by the pump (the index's only writer) at
+//! registration and after each batch it applies, and only while that count can be taken for the
+//! engine's whole cache (`RankMachine::counts_whole_cache`: the index holds the rank's history
+//! since its publisher's seq 0, or nothing was heard from it since registration); otherwise it
+//! misses whatever was cached before this replica listened, and is withheld. The routing path
+//! reads it with the report, under the same lock, to price what a prefill displaces against
+//! the rank's capacity (the report's `max_total_num_tokens`, or vLLM's `/metrics`). The pump
+//! stores it in an atomic under the read lock, so a batch never blocks the routing path; only a
+//! rank's first count takes the write lock.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -59,23 +61,14 @@ impl Default for RankSlot {
     }
 }
 
-impl Clone for RankSlot {
-    fn clone(&self) -> Self {
-        RankSlot {
-            load: self.load,
-            cached_device_blocks: AtomicU64::new(self.cached_device_blocks.load(Ordering::Relaxed)),
-        }
-    }
-}
-
 impl RankSlot {
     /// The engine's latest load report, if it sent one.
     pub fn load(&self) -> Option<ReportedLoad> {
         self.load
     }
 
-    /// Device blocks the index carries for the rank, when the index holds the rank's whole
-    /// history (see the module comment); `None` otherwise.
+    /// Device blocks the index carries for the rank, when that count is the engine's whole
+    /// cache as far as the pump can tell (see the module comment); `None` otherwise.
     pub fn cached_device_blocks(&self) -> Option<u64> {
         let blocks = self.cached_device_blocks.load(Ordering::Relaxed);
         (blocks != DEVICE_BLOCKS_UNKNOWN).then_some(blocks)
@@ -109,7 +102,8 @@ impl EngineLoads {
     }
 
     /// Records the device blocks the index carries for a rank (`None`: the index's view of the
-    /// rank is incomplete, the count is withheld). Only the pump calls this, after a batch.
+    /// rank is incomplete, the count is withheld). Only the pump calls this, at registration
+    /// and after a batch.
     pub fn set_cached_device_blocks(&self, key: &RankKey, blocks: Option<u64>) {
         // A count of u64::MAX blocks cannot happen (the index is bounded far below it), so the
         // sentinel never hides a real count.
