@@ -204,7 +204,7 @@ fn main() {
         queued_prefill_tokens: 0,
         prefill_backlog_us: f64::INFINITY,
         engine: None,
-        cache_room_tokens: None,
+        cache_room_tokens: kvroute::routing::policy::CacheRoom::UNKNOWN,
     };
     let mut inputs = vec![idle; ranks as usize];
     let mut load_rng = StdRng::seed_from_u64(3);

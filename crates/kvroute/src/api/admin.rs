@@ -25,6 +25,12 @@ use crate::routing::plan::RoutePlan;
 pub const ADMIN_BODY_MAX_BYTES: usize = 64 * 1024;
 
 fn plan_json(router: &Router, plan: &RoutePlan) -> Value {
+    let fleet_matched_blocks = plan
+        .candidates
+        .iter()
+        .map(|c| c.input.matched_blocks)
+        .max()
+        .unwrap_or(0);
     let ranks: Vec<Value> = plan
         .candidates
         .iter()
@@ -39,8 +45,11 @@ fn plan_json(router: &Router, plan: &RoutePlan) -> Value {
                 "index_matched_blocks": c.input.matched_blocks - c.input.pending_blocks,
                 "in_flight": c.input.in_flight, "queued_prefill_tokens": c.input.queued_prefill_tokens,
                 "engine_load": c.input.engine, "uncached_tokens": s.uncached_tokens,
-                "cache_room_tokens": c.input.cache_room_tokens,
-                "displaced_tokens": s.displaced_tokens,
+                "cache_room_tokens": c.input.cache_room_tokens.get(),
+                "displaced_tokens": crate::routing::policy::displaced_tokens(
+                    &c.input, plan.prompt_tokens, plan.model.block_size,
+                    fleet_matched_blocks, s.uncached_tokens,
+                ),
                 "cost_ms": s.cost_ms, "probability": s.probability,
                 "within_load_bound": s.within_load_bound,
                 "order": plan.decision.order.iter().position(|&o| o == i),

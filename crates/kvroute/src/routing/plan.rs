@@ -18,7 +18,7 @@ use crate::error::ApiError;
 use crate::peer::cold_owner::{self, ColdDeferral, ColdPlacement};
 use crate::peer::owner_standings::AskOutcome;
 use crate::routing::pending::{RankKey, RankWalk};
-use crate::routing::policy::{Decision, EngineLoad, RankInput};
+use crate::routing::policy::{CacheRoom, Decision, EngineLoad, RankInput};
 
 /// `first_candidate` of a worker that is not routable now (it has no candidates).
 const NOT_ROUTABLE: usize = usize::MAX;
@@ -409,7 +409,7 @@ impl Router {
                             engine: crate::control::engine_metrics::engine_load_given(
                                 self, w, r as u32, now_us, pushed,
                             ),
-                            cache_room_tokens: cache_room_tokens(
+                            cache_room_tokens: cache_room(
                                 reported
                                     .map(|report| report.stat.max_total_num_tokens)
                                     .filter(|&tokens| tokens > 0)
@@ -565,17 +565,21 @@ fn siblings_in_flight_counted(
 /// engine's capacity (`max_total_num_tokens` of its load report, else vLLM's
 /// `vllm:cache_config_info` from its `/metrics`; 0 or absent when it does not say) less the blocks the index knows it holds (absent while the index's view of the rank is
 /// incomplete, `kvroute_kv::engine_loads`) and the prefill already on its way there, which
-/// will be cached too. `None` when either figure is unknown: the cost model then charges every
+/// will be cached too. Unknown when either figure is: the cost model then charges every
 /// uncached token for a displaced one, as if the cache were full.
-fn cache_room_tokens(
+fn cache_room(
     capacity_tokens: Option<u64>,
     cached_device_blocks: Option<u64>,
     block_size: usize,
     queued_prefill_tokens: i64,
-) -> Option<f64> {
-    let capacity = capacity_tokens.filter(|&c| c > 0)?;
-    let held = cached_device_blocks? as f64 * block_size as f64;
-    Some((capacity as f64 - held - queued_prefill_tokens.max(0) as f64).max(0.0))
+) -> CacheRoom {
+    let (Some(capacity), Some(held_blocks)) =
+        (capacity_tokens.filter(|&c| c > 0), cached_device_blocks)
+    else {
+        return CacheRoom::UNKNOWN;
+    };
+    let held = held_blocks as f64 * block_size as f64;
+    CacheRoom::tokens(capacity as f64 - held - queued_prefill_tokens.max(0) as f64)
 }
 
 #[cfg(test)]
@@ -585,32 +589,32 @@ mod tests {
     #[test]
     fn a_ranks_cache_room_is_its_capacity_less_what_it_holds_and_what_is_on_its_way() {
         assert_eq!(
-            cache_room_tokens(Some(65_536), Some(1_000), 16, 4_000),
+            cache_room(Some(65_536), Some(1_000), 16, 4_000).get(),
             Some(65_536.0 - 16_000.0 - 4_000.0)
         );
         assert_eq!(
-            cache_room_tokens(Some(65_536), Some(0), 16, 0),
+            cache_room(Some(65_536), Some(0), 16, 0).get(),
             Some(65_536.0),
             "an empty rank"
         );
         assert_eq!(
-            cache_room_tokens(Some(65_536), Some(4_096), 16, 500),
+            cache_room(Some(65_536), Some(4_096), 16, 500).get(),
             Some(0.0),
             "a full rank has no room, never less than none"
         );
         assert_eq!(
-            cache_room_tokens(None, Some(0), 16, 0),
-            None,
+            cache_room(None, Some(0), 16, 0),
+            CacheRoom::UNKNOWN,
             "an engine that names no capacity"
         );
         assert_eq!(
-            cache_room_tokens(Some(0), Some(0), 16, 0),
-            None,
+            cache_room(Some(0), Some(0), 16, 0),
+            CacheRoom::UNKNOWN,
             "a capacity of 0 is no capacity named"
         );
         assert_eq!(
-            cache_room_tokens(Some(65_536), None, 16, 0),
-            None,
+            cache_room(Some(65_536), None, 16, 0),
+            CacheRoom::UNKNOWN,
             "an index whose view of the rank is incomplete"
         );
     }

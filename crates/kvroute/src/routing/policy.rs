@@ -198,9 +198,29 @@ pub struct RankInput {
     pub prefill_backlog_us: f64,
     pub engine: Option<EngineLoad>,
     /// Tokens the rank's cache can still take before a prefill displaces a cached block, when
-    /// its capacity and occupancy are known (`Router::plan`); `None` = unknown, every uncached
-    /// token displaces one.
-    pub cache_room_tokens: Option<f64>,
+    /// its capacity and occupancy are known (`Router::plan`); [`CacheRoom::UNKNOWN`] otherwise,
+    /// and every uncached token displaces one.
+    pub cache_room_tokens: CacheRoom,
+}
+
+/// A rank's free cache room in tokens, or unknown. Four bytes, which fit `RankInput`'s padding,
+/// so a rank's input stays one cache line (64 bytes, asserted in a test): the scoring loop
+/// reads a thousand of them per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheRoom(u32);
+
+impl CacheRoom {
+    pub const UNKNOWN: CacheRoom = CacheRoom(u32::MAX);
+
+    /// A known room of `tokens` (clamped to 0 and to the largest value it can hold, about four
+    /// billion tokens, far past any engine's cache).
+    pub fn tokens(tokens: f64) -> CacheRoom {
+        CacheRoom(tokens.clamp(0.0, (u32::MAX - 1) as f64) as u32)
+    }
+
+    pub fn get(self) -> Option<f64> {
+        (self != CacheRoom::UNKNOWN).then_some(self.0 as f64)
+    }
 }
 
 impl RankInput {
@@ -216,9 +236,6 @@ impl RankInput {
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct RankScore {
     pub uncached_tokens: f64,
-    /// The uncached tokens past the rank's free cache room, each charged for a cached block it
-    /// displaces (all of them when the room is unknown).
-    pub displaced_tokens: f64,
     pub cost_ms: f64,
     pub probability: f64,
     /// False when cache_aware's bounded-load guard set the rank aside for the first choice
@@ -262,6 +279,9 @@ pub fn score(
 /// already holds are charged for displacement whatever the rank's free room: a second copy of
 /// blocks the fleet holds takes room that new content would use. Only the prompt's new tokens
 /// (cached nowhere) fill a rank's free room for free.
+// Inlined into `decide`'s scoring loop: as a call, `policy.decide` over 1,024 ranks took
+// 16-17 us instead of 11-12 us (docs/BENCHMARKS.md, routing hot path).
+#[inline]
 pub fn score_in_fleet(
     input: &RankInput,
     prompt_tokens: usize,
@@ -275,17 +295,13 @@ pub fn score_in_fleet(
     let uncached =
         (prompt_tokens as f64 - device - offloaded * (1.0 - w.offloaded_block_cost_fraction))
             .max(0.0);
-    let displaced = match input.cache_room_tokens {
-        Some(room) => {
-            let held_elsewhere = (fleet_matched_blocks.saturating_sub(input.matched_blocks) as f64
-                * bs)
-                .min(prompt_tokens as f64 - input.matched_blocks as f64 * bs)
-                .clamp(0.0, uncached);
-            let new = uncached - held_elsewhere;
-            held_elsewhere + (new - room.max(0.0)).max(0.0)
-        }
-        None => uncached,
-    };
+    let displaced = displaced_tokens(
+        input,
+        prompt_tokens,
+        block_size,
+        fleet_matched_blocks,
+        uncached,
+    );
     let queued_us = (input.queued_prefill_tokens.max(0) as f64 * w.prefill_cost_us_per_token)
         .min(input.prefill_backlog_us.max(0.0));
     let cost_us = uncached * w.prefill_cost_us_per_token
@@ -294,11 +310,33 @@ pub fn score_in_fleet(
         + input.effective_in_flight() * w.decode_penalty_us_per_request;
     RankScore {
         uncached_tokens: uncached,
-        displaced_tokens: displaced,
         cost_ms: cost_us * MS_PER_US,
         probability: 0.0,
         within_load_bound: true,
     }
+}
+
+/// Of a rank's `uncached` tokens for a prompt, those charged for a cached block they displace
+/// (see [`score_in_fleet`]): all of them when the rank's room is unknown; else the ones another
+/// rank holds (past this rank's match, up to the fleet's deepest) plus the new ones past the
+/// room.
+#[inline]
+pub fn displaced_tokens(
+    input: &RankInput,
+    prompt_tokens: usize,
+    block_size: usize,
+    fleet_matched_blocks: u32,
+    uncached: f64,
+) -> f64 {
+    let Some(room) = input.cache_room_tokens.get() else {
+        return uncached;
+    };
+    let bs = block_size as f64;
+    let held_elsewhere = (fleet_matched_blocks.saturating_sub(input.matched_blocks) as f64 * bs)
+        .min(prompt_tokens as f64 - input.matched_blocks as f64 * bs)
+        .clamp(0.0, uncached);
+    let new = uncached - held_elsewhere;
+    held_elsewhere + (new - room).max(0.0)
 }
 
 impl Policy {
@@ -377,7 +415,14 @@ impl Policy {
                     } else {
                         "cache_hit"
                     }
-                } else if scores[first].displaced_tokens < scores[first].uncached_tokens {
+                } else if displaced_tokens(
+                    &ranks[first],
+                    prompt_tokens,
+                    block_size,
+                    fleet_matched_blocks,
+                    scores[first].uncached_tokens,
+                ) < scores[first].uncached_tokens
+                {
                     // A shallower match whose free cache room spared it the displacement
                     // charge (its load may have helped too).
                     "room_over_cache"
@@ -725,7 +770,7 @@ mod tests {
             queued_prefill_tokens: 0,
             prefill_backlog_us: f64::INFINITY,
             engine: None,
-            cache_room_tokens: None,
+            cache_room_tokens: CacheRoom::UNKNOWN,
         }
     }
 
@@ -883,7 +928,7 @@ mod tests {
         let cost = |room: Option<f64>| {
             score(
                 &RankInput {
-                    cache_room_tokens: room,
+                    cache_room_tokens: room.map_or(CacheRoom::UNKNOWN, CacheRoom::tokens),
                     ..idle(0)
                 },
                 1_000,
@@ -909,47 +954,53 @@ mod tests {
             ..CostWeights::default()
         };
         let empty = RankInput {
-            cache_room_tokens: Some(1e9),
+            cache_room_tokens: CacheRoom::tokens(1e9),
             ..idle(0)
         };
-        let cost = |fleet_matched: u32| score_in_fleet(&empty, 1_000, 16, fleet_matched, &w);
-        assert_eq!(cost(0).displaced_tokens, 0.0, "all new: the room takes it");
-        assert_eq!(cost(0).cost_ms, 100.0);
-        let half_elsewhere = cost(32);
+        let displaced = |input: &RankInput, fleet_matched: u32| {
+            let uncached = score(input, 1_000, 16, &w).uncached_tokens;
+            displaced_tokens(input, 1_000, 16, fleet_matched, uncached)
+        };
+        assert_eq!(displaced(&empty, 0), 0.0, "all new: the room takes it");
+        assert_eq!(score_in_fleet(&empty, 1_000, 16, 0, &w).cost_ms, 100.0);
+        assert_eq!(displaced(&empty, 32), 512.0, "32 blocks another rank holds");
+        let half_elsewhere = score_in_fleet(&empty, 1_000, 16, 32, &w).cost_ms;
+        assert!((half_elsewhere - (100.0 + 512.0 * 0.05)).abs() < 1e-9);
         assert_eq!(
-            half_elsewhere.displaced_tokens, 512.0,
-            "32 blocks another rank holds"
-        );
-        assert!((half_elsewhere.cost_ms - (100.0 + 512.0 * 0.05)).abs() < 1e-9);
-        assert_eq!(
-            cost(1_000).displaced_tokens,
+            displaced(&empty, 1_000),
             1_000.0,
             "a match past the prompt's end counts the prompt only"
         );
         let holding_some = RankInput {
-            cache_room_tokens: Some(1e9),
+            cache_room_tokens: CacheRoom::tokens(1e9),
             ..idle(16)
         };
-        let own = score_in_fleet(&holding_some, 1_000, 16, 32, &w);
-        assert_eq!(own.uncached_tokens, 744.0);
+        assert_eq!(score(&holding_some, 1_000, 16, &w).uncached_tokens, 744.0);
         assert_eq!(
-            own.displaced_tokens, 256.0,
+            displaced(&holding_some, 32),
+            256.0,
             "only the 16 blocks past its own match are held elsewhere"
         );
+        let unknown = RankInput {
+            cache_room_tokens: CacheRoom::UNKNOWN,
+            ..empty
+        };
         assert_eq!(
-            score_in_fleet(
-                &RankInput {
-                    cache_room_tokens: None,
-                    ..empty
-                },
-                1_000,
-                16,
-                32,
-                &w
-            )
-            .displaced_tokens,
+            displaced(&unknown, 32),
             1_000.0,
             "an unknown room: every uncached token"
+        );
+    }
+
+    #[test]
+    fn a_room_is_four_bytes_that_clamp_and_never_read_as_unknown() {
+        assert_eq!(CacheRoom::tokens(-5.0).get(), Some(0.0));
+        assert_eq!(CacheRoom::tokens(1e30).get(), Some((u32::MAX - 1) as f64));
+        assert_eq!(CacheRoom::UNKNOWN.get(), None);
+        assert_eq!(
+            std::mem::size_of::<RankInput>(),
+            64,
+            "one cache line per rank in the scoring loop"
         );
     }
 
@@ -962,11 +1013,11 @@ mod tests {
             in_flight: 1,
             queued_prefill_tokens: 1_024,
             prefill_backlog_us: 51_200.0,
-            cache_room_tokens: Some(4_096.0),
+            cache_room_tokens: CacheRoom::tokens(4_096.0),
             ..idle(64)
         };
         let empty = RankInput {
-            cache_room_tokens: Some(5_120.0),
+            cache_room_tokens: CacheRoom::tokens(5_120.0),
             ..idle(0)
         };
         let d = policy(PolicyKind::CacheAware).decide(&[prefilling, empty], 1_100, 16);
@@ -981,16 +1032,16 @@ mod tests {
         // known, what the prompt would evict on rank 0 outweighs the opening it would reuse.
         let prompt_tokens = 12_000;
         let full_with_opening = RankInput {
-            cache_room_tokens: Some(0.0),
+            cache_room_tokens: CacheRoom::tokens(0.0),
             ..idle(32)
         };
         let empty = RankInput {
-            cache_room_tokens: Some(65_536.0),
+            cache_room_tokens: CacheRoom::tokens(65_536.0),
             ..idle(0)
         };
         let p = policy(PolicyKind::CacheAware);
         let unknown = |r: RankInput| RankInput {
-            cache_room_tokens: None,
+            cache_room_tokens: CacheRoom::UNKNOWN,
             ..r
         };
         let d = p.decide(
