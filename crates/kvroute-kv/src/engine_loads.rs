@@ -228,6 +228,13 @@ mod tests {
         assert!(loads.is_empty());
     }
 
+    /// The count recorded for rank `dp` of the worker at `url`.
+    fn cached(loads: &EngineLoads, url: &str, dp: usize) -> Option<u64> {
+        loads.with_worker(url, |ranks| {
+            ranks.get(dp).and_then(RankSlot::cached_device_blocks)
+        })
+    }
+
     #[test]
     fn a_ranks_cached_blocks_read_back_beside_its_report_and_a_withheld_count_reads_unknown() {
         let loads = EngineLoads::new();
@@ -249,17 +256,13 @@ mod tests {
             assert_eq!(ranks[1].load(), None, "rank 1 never reported");
         });
         loads.set_cached_device_blocks(&key("http://a", 1), Some(0));
-        loads.with_worker("http://a", |ranks| {
-            assert_eq!(
-                ranks[1].cached_device_blocks(),
-                Some(0),
-                "empty is known, not unknown"
-            )
-        });
+        assert_eq!(
+            cached(&loads, "http://a", 1),
+            Some(0),
+            "empty is known, not unknown"
+        );
         loads.set_cached_device_blocks(&key("http://a", 1), None);
-        loads.with_worker("http://a", |ranks| {
-            assert_eq!(ranks[1].cached_device_blocks(), None, "a withdrawn count")
-        });
+        assert_eq!(cached(&loads, "http://a", 1), None, "a withdrawn count");
         loads.remove_rank(&key("http://a", 0));
         assert!(
             loads.is_empty(),
@@ -273,10 +276,8 @@ mod tests {
         loads.set_cached_device_blocks(&key("http://a", 0), Some(5));
         loads.set_cached_device_blocks(&key("http://a", 1), Some(6));
         loads.remove_rank(&key("http://a", 0));
-        loads.with_worker("http://a", |ranks| {
-            assert_eq!(ranks[0].cached_device_blocks(), None);
-            assert_eq!(ranks[1].cached_device_blocks(), Some(6));
-        });
+        assert_eq!(cached(&loads, "http://a", 0), None);
+        assert_eq!(cached(&loads, "http://a", 1), Some(6));
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //! carry `num_gpu_blocks` and `block_size`): the cost model's free room needs it, and vLLM has
 //! no load feed to name it as SGLang's does (`max_total_num_tokens`).
 //!
-//! The parser is hand-written on purpose: it reads two gauges from a line-based format (name,
+//! The parser is hand-written on purpose: it reads three series from a line-based format (name,
 //! optional `{labels}`, value), and the Prometheus parsing crates bring a regex engine and a date
 //! library for the rest of the format, which this never needs. It allocates nothing per line and
 //! ignores every line it does not recognise, so a body it half understands yields what it does.

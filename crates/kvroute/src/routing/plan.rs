@@ -413,9 +413,9 @@ impl Router {
                                 reported
                                     .map(|report| report.stat.max_total_num_tokens)
                                     .filter(|&tokens| tokens > 0)
-                                    .or(Some(
-                                        load.engine_metrics_capacity_tokens.load(Ordering::Relaxed),
-                                    )),
+                                    .unwrap_or_else(|| {
+                                        load.engine_metrics_capacity_tokens.load(Ordering::Relaxed)
+                                    }),
                                 slot.and_then(|s| s.cached_device_blocks()),
                                 group.block_size,
                                 queued_prefill_tokens,
@@ -562,24 +562,23 @@ fn siblings_in_flight_counted(
 }
 
 /// Tokens a rank's cache can still take before a prefill displaces a cached block: the
-/// engine's capacity (`max_total_num_tokens` of its load report, else vLLM's
-/// `vllm:cache_config_info` from its `/metrics`; 0 or absent when it does not say) less the blocks the index knows it holds (absent while the index's view of the rank is
-/// incomplete, `kvroute_kv::engine_loads`) and the prefill already on its way there, which
-/// will be cached too. Unknown when either figure is: the cost model then charges every
-/// uncached token for a displaced one, as if the cache were full.
+/// engine's capacity in tokens (`max_total_num_tokens` of its load report, else vLLM's
+/// `vllm:cache_config_info` from its `/metrics`; 0 when it names none) less the blocks the
+/// index knows it holds (absent while the index's view of the rank is incomplete,
+/// `kvroute_kv::engine_loads`) and the prefill already on its way there, which will be cached
+/// too. Unknown when either figure is: the cost model then charges every uncached token for a
+/// displaced one, as if the cache were full.
 fn cache_room(
-    capacity_tokens: Option<u64>,
+    capacity_tokens: u64,
     cached_device_blocks: Option<u64>,
     block_size: usize,
     queued_prefill_tokens: i64,
 ) -> CacheRoom {
-    let (Some(capacity), Some(held_blocks)) =
-        (capacity_tokens.filter(|&c| c > 0), cached_device_blocks)
-    else {
+    let Some(held_blocks) = cached_device_blocks.filter(|_| capacity_tokens > 0) else {
         return CacheRoom::UNKNOWN;
     };
     let held = held_blocks as f64 * block_size as f64;
-    CacheRoom::tokens(capacity as f64 - held - queued_prefill_tokens.max(0) as f64)
+    CacheRoom::tokens(capacity_tokens as f64 - held - queued_prefill_tokens.max(0) as f64)
 }
 
 #[cfg(test)]
@@ -589,31 +588,26 @@ mod tests {
     #[test]
     fn a_ranks_cache_room_is_its_capacity_less_what_it_holds_and_what_is_on_its_way() {
         assert_eq!(
-            cache_room(Some(65_536), Some(1_000), 16, 4_000).get(),
+            cache_room(65_536, Some(1_000), 16, 4_000).get(),
             Some(65_536.0 - 16_000.0 - 4_000.0)
         );
         assert_eq!(
-            cache_room(Some(65_536), Some(0), 16, 0).get(),
+            cache_room(65_536, Some(0), 16, 0).get(),
             Some(65_536.0),
             "an empty rank"
         );
         assert_eq!(
-            cache_room(Some(65_536), Some(4_096), 16, 500).get(),
+            cache_room(65_536, Some(4_096), 16, 500).get(),
             Some(0.0),
             "a full rank has no room, never less than none"
         );
         assert_eq!(
-            cache_room(None, Some(0), 16, 0),
+            cache_room(0, Some(0), 16, 0),
             CacheRoom::UNKNOWN,
             "an engine that names no capacity"
         );
         assert_eq!(
-            cache_room(Some(0), Some(0), 16, 0),
-            CacheRoom::UNKNOWN,
-            "a capacity of 0 is no capacity named"
-        );
-        assert_eq!(
-            cache_room(Some(65_536), None, 16, 0),
+            cache_room(65_536, None, 16, 0),
             CacheRoom::UNKNOWN,
             "an index whose view of the rank is incomplete"
         );

@@ -263,17 +263,6 @@ pub struct Policy {
 /// over a thousand ranks pays for far less than a division.
 const MS_PER_US: f64 = 1e-3;
 
-/// [`score_in_fleet`] for a rank whose match no other rank exceeds (nothing it would prefill is
-/// cached elsewhere).
-pub fn score(
-    input: &RankInput,
-    prompt_tokens: usize,
-    block_size: usize,
-    w: &CostWeights,
-) -> RankScore {
-    score_in_fleet(input, prompt_tokens, block_size, input.matched_blocks, w)
-}
-
 /// The cost model (see the module comment) for one rank, given the deepest match any rank of
 /// the fleet has for the prompt (`fleet_matched_blocks`). Uncached tokens that another rank
 /// already holds are charged for displacement whatever the rank's free room: a second copy of
@@ -774,6 +763,26 @@ mod tests {
         }
     }
 
+    /// [`score_in_fleet`] for a rank whose match no other rank exceeds (nothing it would
+    /// prefill is cached elsewhere).
+    fn score(
+        input: &RankInput,
+        prompt_tokens: usize,
+        block_size: usize,
+        w: &CostWeights,
+    ) -> RankScore {
+        score_in_fleet(input, prompt_tokens, block_size, input.matched_blocks, w)
+    }
+
+    /// Round weights for the displacement tests: 0.1 ms a token, half of that per displaced one.
+    fn displacement_weights() -> CostWeights {
+        CostWeights {
+            prefill_cost_us_per_token: 100.0,
+            eviction_cost_fraction: 0.5,
+            ..CostWeights::default()
+        }
+    }
+
     fn policy(kind: PolicyKind) -> Policy {
         Policy::new(kind, CostWeights::default(), Some(1))
     }
@@ -920,11 +929,7 @@ mod tests {
 
     #[test]
     fn only_the_tokens_past_a_ranks_free_room_are_charged_for_displacement() {
-        let w = CostWeights {
-            prefill_cost_us_per_token: 100.0,
-            eviction_cost_fraction: 0.5,
-            ..CostWeights::default()
-        };
+        let w = displacement_weights();
         let cost = |room: Option<f64>| {
             score(
                 &RankInput {
@@ -948,11 +953,7 @@ mod tests {
 
     #[test]
     fn a_copy_of_what_another_rank_holds_is_charged_whatever_the_room() {
-        let w = CostWeights {
-            prefill_cost_us_per_token: 100.0,
-            eviction_cost_fraction: 0.5,
-            ..CostWeights::default()
-        };
+        let w = displacement_weights();
         let empty = RankInput {
             cache_room_tokens: CacheRoom::tokens(1e9),
             ..idle(0)
