@@ -390,18 +390,31 @@ fn check_prompt(tokens: Vec<u32>, param: &'static str) -> Result<Vec<u32>, ApiEr
 }
 
 fn encode_text(engine: &Engine, text: &str, param: &'static str) -> Result<Vec<u32>, ApiError> {
-    // Cheap pre-check so a huge text is refused before tokenizing it (a token is >= 1 byte in
-    // a byte-level BPE only loosely, so allow generous headroom).
+    check_text_len(text, param)?;
+    engine
+        .text
+        .encode(text)
+        .map_err(|e| ApiError::bad_request(format!("cannot tokenize {param}: {e}"), Some(param)))
+}
+
+/// A rendered chat's tokens, its earlier messages remembered (`TextModel::encode_chat`).
+fn encode_rendered_chat(engine: &Engine, rendered: &str) -> Result<Vec<u32>, ApiError> {
+    check_text_len(rendered, "messages")?;
+    engine.text.encode_chat(rendered).map_err(|e| {
+        ApiError::bad_request(format!("cannot tokenize messages: {e}"), Some("messages"))
+    })
+}
+
+/// Cheap pre-check so a huge text is refused before tokenizing it (a token is >= 1 byte in a
+/// byte-level BPE only loosely, so allow generous headroom).
+fn check_text_len(text: &str, param: &'static str) -> Result<(), ApiError> {
     if text.len() > PROMPT_MAX_TOKENS * 16 {
         return Err(ApiError::bad_request(
             format!("{param} is too long"),
             Some(param),
         ));
     }
-    engine
-        .text
-        .encode(text)
-        .map_err(|e| ApiError::bad_request(format!("cannot tokenize {param}: {e}"), Some(param)))
+    Ok(())
 }
 
 /// The first prompt of a batch of token-id lists: the simulator serves a batch's first element
@@ -702,7 +715,7 @@ fn chat_tokens(
         .text
         .render_chat_with(&messages, add_generation_prompt)
         .map_err(|e| ApiError::bad_request(format!("chat template: {e}"), Some("messages")))?;
-    check_prompt(encode_text(engine, &rendered, "messages")?, "messages")
+    check_prompt(encode_rendered_chat(engine, &rendered)?, "messages")
 }
 
 /// vLLM's `/tokenize`: `{"count", "max_model_len", "tokens"}` for a `prompt` string or chat

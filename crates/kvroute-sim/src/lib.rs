@@ -23,6 +23,7 @@
 //! vocabulary, so synthetic ids work as prompts.
 
 pub mod cache;
+pub mod chat_memo;
 pub mod config;
 pub mod engine;
 pub mod faults;

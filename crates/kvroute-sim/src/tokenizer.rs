@@ -16,6 +16,7 @@ use serde::Serialize;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::SimError;
+use crate::chat_memo::ChatMemo;
 
 /// Used when the tokenizer directory has no `tokenizer_config.json` chat template.
 const FALLBACK_CHAT_TEMPLATE: &str = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
@@ -38,6 +39,8 @@ pub struct TextModel {
     /// (token id, decoded text) of plain word tokens the fake model "generates".
     words: Vec<(u32, String)>,
     vocab_size: usize,
+    /// Messages already tokenized, so a chat costs only its new ones (see `chat_memo`).
+    chat_memo: ChatMemo,
 }
 
 impl std::fmt::Debug for TextModel {
@@ -103,6 +106,7 @@ impl TextModel {
                 "no decodable tokens in vocabulary".into(),
             ));
         }
+        let chat_memo = ChatMemo::for_tokenizer(&tokenizer);
         Ok(TextModel {
             bos_token: token_str("bos_token", "<|endoftext|>"),
             eos_token: token_str("eos_token", "<|im_end|>"),
@@ -110,6 +114,7 @@ impl TextModel {
             chat,
             words,
             vocab_size,
+            chat_memo,
         })
     }
 
@@ -124,6 +129,18 @@ impl TextModel {
             .encode_fast(text, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| e.to_string())
+    }
+
+    /// Token ids of a rendered chat: exactly `encode(rendered)`, but the messages this model
+    /// already tokenized are remembered rather than tokenized again (`chat_memo`).
+    pub fn encode_chat(&self, rendered: &str) -> Result<Vec<u32>, String> {
+        self.chat_memo
+            .encode_chat(rendered, |text| self.encode(text))
+    }
+
+    /// The chat memory, for its counters.
+    pub fn chat_memo(&self) -> &ChatMemo {
+        &self.chat_memo
     }
 
     /// The chat template applied to `messages`, with the assistant header appended.
