@@ -20,7 +20,8 @@
 //! * `S` does not reach outside its own text: not `lstrip` (it would take the whitespace before
 //!   the cut), not `rstrip`, not `single_word` (its match depends on the character before it),
 //!   not `normalized` (it would be found only after the piece around it was normalized);
-//! * the tokenizer neither truncates nor pads (each segment would be cut or padded on its own).
+//! * the tokenizer neither truncates nor pads (each segment would be cut or padded on its own),
+//!   and splits at special tokens (it does not when told to encode them as text).
 //!
 //! Checked, not only argued: the first [`CHAT_MEMO_VERIFY_FIRST`] chats and one in
 //! [`CHAT_MEMO_VERIFY_EVERY_NTH`] after them are also tokenized whole and compared, and one
@@ -211,7 +212,11 @@ impl ChatMemo {
 /// The added tokens of `tokenizer` a chat may be cut before, by the rules in the module comment;
 /// none when the tokenizer truncates or pads.
 pub fn segment_markers(tokenizer: &tokenizers::Tokenizer) -> Vec<String> {
-    if tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some() {
+    // A tokenizer told to encode special tokens as text does not split at them at all.
+    if tokenizer.get_truncation().is_some()
+        || tokenizer.get_padding().is_some()
+        || tokenizer.get_encode_special_tokens()
+    {
         return Vec::new();
     }
     let added: Vec<tokenizers::AddedToken> =
@@ -272,7 +277,7 @@ mod tests {
     }
 
     #[test]
-    fn a_marker_that_strips_whitespace_or_a_truncating_tokenizer_is_never_cut_at() {
+    fn never_cut_at_markers_that_strip_nor_for_tokenizers_that_truncate_or_read_markers_as_text() {
         let mut tokenizer = shipped();
         tokenizer
             .add_special_tokens([
@@ -283,6 +288,9 @@ mod tests {
         let markers = segment_markers(&tokenizer);
         assert!(!markers.iter().any(|m| m == "<|lstrip|>" || m == "<|word|>"));
         assert!(!markers.is_empty(), "the plain markers stay");
+        let mut special_as_text = tokenizer.clone();
+        special_as_text.set_encode_special_tokens(true);
+        assert_eq!(segment_markers(&special_as_text), Vec::<String>::new());
         tokenizer
             .with_truncation(Some(tokenizers::TruncationParams::default()))
             .expect("truncation set");
