@@ -10,8 +10,9 @@
 //!
 //! Per row, the median over `--replica-rounds` runs of: the engines' hit rate (cached over
 //! prompt tokens, from the usage chunks), the client's p90 time to first token, and the busiest
-//! rank's share of requests (engine-side counts). Rounds differ by the routers' random seeds and
-//! by timing; the workload is the demo's.
+//! rank's share of requests (engine-side counts); and the TTFT mean and p90 pooled over every
+//! request of every round ([`Pooled`]: the steadier comparison where a round's p90 sits on a
+//! cliff). Rounds differ by the routers' random seeds and by timing; the workload is the demo's.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -183,6 +184,8 @@ pub struct SweepRun {
     pub run: RunResult,
     pub first_turns_ttft_p90_ms: f64,
     pub later_turns_ttft_p90_ms: f64,
+    /// Every request's TTFT, for the figures pooled over the rounds ([`Pooled`]).
+    pub ttfts_ms: Vec<f64>,
     /// Cold prompts the replicas placed through their owner, summed over the replicas, by
     /// outcome ([`COLD_OUTCOMES`]).
     pub cold_placements: [u64; COLD_OUTCOMES.len()],
@@ -245,6 +248,33 @@ fn p90_ms<'a>(samples: impl Iterator<Item = &'a super::Sample>) -> f64 {
     super::p90(samples.map(|s| s.ttft.as_secs_f64() * 1000.0).collect())
 }
 
+/// A row's TTFT over every request of every round. Why beside the medians of the rounds: on
+/// the demo workload about a tenth of a round's requests wait behind a system prompt's first
+/// prefill, so a round's p90 falls on either side of that cliff by a request or two, and the
+/// median of twenty such p90s says which side the middle rounds fell on. The pooled mean moves
+/// with every request and is the steadier comparison between rows (docs/BENCHMARKS.md).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pooled {
+    pub requests: usize,
+    pub ttft_mean_ms: f64,
+    pub ttft_p90_ms: f64,
+}
+
+fn pooled<'a>(rounds: impl Iterator<Item = &'a [f64]>) -> Pooled {
+    let all: Vec<f64> = rounds.flatten().copied().collect();
+    let requests = all.len();
+    let ttft_mean_ms = if requests == 0 {
+        0.0
+    } else {
+        all.iter().sum::<f64>() / requests as f64
+    };
+    Pooled {
+        requests,
+        ttft_mean_ms,
+        ttft_p90_ms: super::p90(all),
+    }
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     match values.len() {
@@ -265,6 +295,9 @@ impl SweepRow {
     }
     pub fn hit_rate(&self) -> f64 {
         median(self.rounds.iter().map(|r| r.run.hit_rate).collect())
+    }
+    pub fn pooled(&self) -> Pooled {
+        pooled(self.rounds.iter().map(|r| r.ttfts_ms.as_slice()))
     }
     pub fn ttft_p90_ms(&self) -> f64 {
         median(self.rounds.iter().map(|r| r.run.ttft_p90_ms).collect())
@@ -495,10 +528,16 @@ async fn run_once(
     }
     let first_turns_ttft_p90_ms = p90_ms(driven.samples.iter().filter(|s| s.turn == 0));
     let later_turns_ttft_p90_ms = p90_ms(driven.samples.iter().filter(|s| s.turn > 0));
+    let ttfts_ms = driven
+        .samples
+        .iter()
+        .map(|s| s.ttft.as_secs_f64() * 1000.0)
+        .collect();
     Ok(SweepRun {
         run: summarize(label, driven, Some(balance), None),
         first_turns_ttft_p90_ms,
         later_turns_ttft_p90_ms,
+        ttfts_ms,
         cold_placements,
         cold_wait_s,
         thread_times,
@@ -614,6 +653,7 @@ pub async fn run_sweep(args: &DemoArgs) -> Result<Vec<SweepRow>, String> {
 
 fn row_json(row: &SweepRow) -> Value {
     let (tokenize_ms, segments, adopted) = row.tokenizing_per_request_and_round();
+    let pooled = row.pooled();
     let thread_ms: serde_json::Map<String, Value> = [
         (ThreadGroup::ReplicaDataPlanes, "replica_data_planes"),
         (ThreadGroup::Rest, "rest"),
@@ -636,6 +676,11 @@ fn row_json(row: &SweepRow) -> Value {
         "first_turns_ttft_p90_ms_median": row.first_turns_ttft_p90_ms(),
         "later_turns_ttft_p90_ms_median": row.later_turns_ttft_p90_ms(),
         "busiest_rank_share_median": row.busiest_rank_share(),
+        "pooled": {
+            "requests": pooled.requests,
+            "ttft_mean_ms": pooled.ttft_mean_ms,
+            "ttft_p90_ms": pooled.ttft_p90_ms,
+        },
         "thread_ms_per_request": thread_ms,
         "tokenizing": {
             "on_path_ms_per_request": tokenize_ms,
@@ -719,6 +764,28 @@ pub async fn run_and_report(args: &DemoArgs) -> Result<(), String> {
                 row.first_turns_ttft_p90_ms(),
                 row.later_turns_ttft_p90_ms(),
                 row.busiest_rank_share() * 100.0,
+                versus
+            );
+        }
+        for row in &rows {
+            let pooled = row.pooled();
+            let versus = match single {
+                Some(s) if row.replicas > 1 => {
+                    let one = s.pooled();
+                    format!(
+                        " (vs 1 replica: mean {:+.0}%, p90 {:+.0}%)",
+                        (pooled.ttft_mean_ms / one.ttft_mean_ms - 1.0) * 100.0,
+                        (pooled.ttft_p90_ms / one.ttft_p90_ms - 1.0) * 100.0
+                    )
+                }
+                _ => String::new(),
+            };
+            println!(
+                "{}: pooled over its {} requests, TTFT mean {:.1} ms, p90 {:.1} ms{}",
+                row.label(),
+                pooled.requests,
+                pooled.ttft_mean_ms,
+                pooled.ttft_p90_ms,
                 versus
             );
         }
@@ -856,6 +923,22 @@ mod tests {
             (round.on_path_s - 0.016).abs() < 1e-9,
             "chat and prompt time of both replicas: {}",
             round.on_path_s
+        );
+    }
+
+    #[test]
+    fn pooled_figures_weigh_every_request_of_every_round_alike() {
+        // Two rounds whose own p90s are 3 and 20 ms: pooled, the p90 is the 5th of 5 requests
+        // (nearest rank) and the mean is over all five, not the mean of the rounds' means.
+        let rounds = [vec![1.0, 2.0, 3.0], vec![10.0, 20.0]];
+        let p = pooled(rounds.iter().map(Vec::as_slice));
+        assert_eq!(p.requests, 5);
+        assert_eq!(p.ttft_mean_ms, 36.0 / 5.0);
+        assert_eq!(p.ttft_p90_ms, 20.0);
+        let none = pooled(std::iter::empty());
+        assert_eq!(
+            (none.requests, none.ttft_mean_ms, none.ttft_p90_ms),
+            (0, 0.0, 0.0)
         );
     }
 
