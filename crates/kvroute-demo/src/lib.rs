@@ -186,6 +186,12 @@ pub(crate) struct Sample {
     moved: Option<bool>,
 }
 
+impl Sample {
+    fn ttft_ms(&self) -> f64 {
+        self.ttft.as_secs_f64() * 1000.0
+    }
+}
+
 /// `(url, dp_rank)` and the reason named by an `x-kvroute-decision` value.
 fn decision_rank_and_reason(decision: &str) -> Option<(String, String)> {
     let field = |name| decision_field(decision, name);
@@ -399,6 +405,32 @@ fn p90_of_sorted(sorted: &[f64]) -> f64 {
         .get(((sorted.len() as f64 * 0.9).ceil() as usize).saturating_sub(1))
         .copied()
         .unwrap_or(0.0)
+}
+
+/// Mean, median and 90th percentile (nearest rank) of some requests' TTFTs; zeros when there
+/// are none.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct TtftFigures {
+    mean_ms: f64,
+    p50_ms: f64,
+    p90_ms: f64,
+}
+
+impl TtftFigures {
+    /// The figures of `ttft_ms`, in any order.
+    fn of(mut ttft_ms: Vec<f64>) -> TtftFigures {
+        ttft_ms.sort_by(f64::total_cmp);
+        let mean_ms = if ttft_ms.is_empty() {
+            0.0
+        } else {
+            ttft_ms.iter().sum::<f64>() / ttft_ms.len() as f64
+        };
+        TtftFigures {
+            mean_ms,
+            p50_ms: ttft_ms.get(ttft_ms.len() / 2).copied().unwrap_or(0.0),
+            p90_ms: p90_of_sorted(&ttft_ms),
+        }
+    }
 }
 
 /// The 90th percentile (nearest rank) of `values` in any order; 0 when empty.
@@ -726,26 +758,15 @@ fn summarize(
     let samples = &driven.samples;
     let prompt: u64 = samples.iter().map(|s| s.prompt_tokens).sum();
     let cached: u64 = samples.iter().map(|s| s.cached_tokens).sum();
-    let mut ttft_ms: Vec<f64> = samples
-        .iter()
-        .map(|s| s.ttft.as_secs_f64() * 1000.0)
-        .collect();
-    ttft_ms.sort_by(f64::total_cmp);
-    let mean = if ttft_ms.is_empty() {
-        0.0
-    } else {
-        ttft_ms.iter().sum::<f64>() / ttft_ms.len() as f64
-    };
-    let p90 = p90_of_sorted(&ttft_ms);
-    let p50 = ttft_ms.get(ttft_ms.len() / 2).copied().unwrap_or(0.0);
+    let ttft = TtftFigures::of(samples.iter().map(|s| s.ttft_ms()).collect());
     RunResult {
         label,
         requests: samples.len(),
         failures: driven.failures,
         hit_rate: share(cached, prompt),
-        ttft_mean_ms: mean,
-        ttft_p50_ms: p50,
-        ttft_p90_ms: p90,
+        ttft_mean_ms: ttft.mean_ms,
+        ttft_p50_ms: ttft.p50_ms,
+        ttft_p90_ms: ttft.p90_ms,
         throughput_rps: samples.len() as f64 / driven.wall.as_secs_f64(),
         wall: driven.wall,
         continuations: ContinuationTrace::of(samples),

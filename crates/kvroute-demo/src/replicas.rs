@@ -245,7 +245,7 @@ impl Tokenizing {
 pub const COLD_OUTCOMES: [&str; 3] = ["owner_chose", "owner_failed", "owner_rank_unknown"];
 
 fn p90_ms<'a>(samples: impl Iterator<Item = &'a super::Sample>) -> f64 {
-    super::p90(samples.map(|s| s.ttft.as_secs_f64() * 1000.0).collect())
+    super::p90(samples.map(super::Sample::ttft_ms).collect())
 }
 
 /// A row's TTFT over every request of every round. Why beside the medians of the rounds: on
@@ -263,15 +263,11 @@ pub struct Pooled {
 fn pooled<'a>(rounds: impl Iterator<Item = &'a [f64]>) -> Pooled {
     let all: Vec<f64> = rounds.flatten().copied().collect();
     let requests = all.len();
-    let ttft_mean_ms = if requests == 0 {
-        0.0
-    } else {
-        all.iter().sum::<f64>() / requests as f64
-    };
+    let ttft = super::TtftFigures::of(all);
     Pooled {
         requests,
-        ttft_mean_ms,
-        ttft_p90_ms: super::p90(all),
+        ttft_mean_ms: ttft.mean_ms,
+        ttft_p90_ms: ttft.p90_ms,
     }
 }
 
@@ -528,11 +524,7 @@ async fn run_once(
     }
     let first_turns_ttft_p90_ms = p90_ms(driven.samples.iter().filter(|s| s.turn == 0));
     let later_turns_ttft_p90_ms = p90_ms(driven.samples.iter().filter(|s| s.turn > 0));
-    let ttfts_ms = driven
-        .samples
-        .iter()
-        .map(|s| s.ttft.as_secs_f64() * 1000.0)
-        .collect();
+    let ttfts_ms = driven.samples.iter().map(super::Sample::ttft_ms).collect();
     Ok(SweepRun {
         run: summarize(label, driven, Some(balance), None),
         first_turns_ttft_p90_ms,
@@ -583,7 +575,7 @@ fn append_trace(
             "tenant": tenant_of.get(s.conversation),
             "turn": s.turn,
             "sent_ms": s.sent_at.as_secs_f64() * 1000.0,
-            "ttft_ms": s.ttft.as_secs_f64() * 1000.0,
+            "ttft_ms": s.ttft_ms(),
             "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens,
             "decision": s.decision,

@@ -48,7 +48,7 @@ pub const CHAT_MEMO_VERIFY_FIRST: u64 = 8;
 /// After the first ones, one chat in this many is checked.
 pub const CHAT_MEMO_VERIFY_EVERY_NTH: u64 = 64;
 
-/// What a chat's tokenization through the memory did (for tests and the counters).
+/// What the chats tokenized through the memory did, in all (what its tests read).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MemoCounts {
     /// Segments found in the memory.

@@ -138,11 +138,6 @@ impl TextModel {
             .encode_chat(rendered, |text| self.encode(text))
     }
 
-    /// The chat memory, for its counters.
-    pub fn chat_memo(&self) -> &ChatMemo {
-        &self.chat_memo
-    }
-
     /// The chat template applied to `messages`, with the assistant header appended.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, String> {
         self.render_chat_with(messages, true)
