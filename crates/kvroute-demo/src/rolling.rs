@@ -877,9 +877,12 @@ mod tests {
                 run.requests > 0 && !run.windows.is_empty(),
                 "{mode:?}: no traffic"
             );
-            // The tiny workload leaves some ranks untouched: their siblings say `empty`.
+            // The tiny workload leaves some ranks untouched: their siblings say `empty`. Such a
+            // rank's first batch (seq 0) can reach the new replica before the siblings' answer
+            // does, and then the replica has watched the rank's whole stream: `from_origin`, as
+            // complete a view as `warm` (seen once in about thirty runs on a loaded machine).
             let allowed: &[&str] = match mode {
-                RolloutMode::Bootstrap => &["warm", "empty"],
+                RolloutMode::Bootstrap => &["warm", "empty", "from_origin"],
                 RolloutMode::Cold => &["off"],
             };
             for r in &run.replacements {
