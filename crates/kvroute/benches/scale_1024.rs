@@ -3,7 +3,9 @@
 //! tokens, each rank's own conversations after them), no engines and no HTTP server. Reports:
 //! * the index's memory (bytes the allocator handed it; goal <= 4 GB);
 //! * the full routing decision's latency for 8,192-token prompts: hash the prompt, match it
-//!   against the index, and let the cache_aware policy score EVERY rank (goal p99 <= 50 us);
+//!   against the index, and let the cache_aware policy score EVERY rank (goal p99 <= 50 us),
+//!   and how the calls over the goal spread over the prompts asked (a slow code path is one
+//!   prompt slow every time; the machine's interruptions are single calls on any prompt);
 //! * the snapshot a warm replica would serve: export, encode (binary, zstd), its size (goal
 //!   <= 1.2 GB) and whether the default decode limits and `--kv-snapshot-max-bytes` admit it;
 //! * time to warm, as the sum of the stages a joining replica runs one after another: export;
@@ -121,6 +123,40 @@ fn encode_options() -> EncodeOptions<'static> {
     }
 }
 
+/// How a decision's latency spreads over the prompts that were asked: whether the calls over
+/// the goal come from a few prompts (a slow path in the code) or from anywhere (the machine).
+struct PromptSpread {
+    /// The largest per-prompt median, and that prompt's p90.
+    slowest_median_ns: u64,
+    slowest_p90_ns: u64,
+    /// Prompts with at least one call over the goal, and the most such calls on one prompt.
+    prompts_over_goal: usize,
+    most_over_goal_on_one: usize,
+}
+
+impl PromptSpread {
+    fn of(per_prompt_ns: &mut [Vec<u64>], goal_ns: u64) -> Self {
+        let mut spread = PromptSpread {
+            slowest_median_ns: 0,
+            slowest_p90_ns: 0,
+            prompts_over_goal: 0,
+            most_over_goal_on_one: 0,
+        };
+        for calls in per_prompt_ns.iter_mut().filter(|c| !c.is_empty()) {
+            calls.sort_unstable();
+            let median = percentile(calls, 0.50);
+            if median > spread.slowest_median_ns {
+                spread.slowest_median_ns = median;
+                spread.slowest_p90_ns = percentile(calls, 0.90);
+            }
+            let over = calls.iter().filter(|&&ns| ns > goal_ns).count();
+            spread.prompts_over_goal += usize::from(over > 0);
+            spread.most_over_goal_on_one = spread.most_over_goal_on_one.max(over);
+        }
+        spread
+    }
+}
+
 fn gb(bytes: i64) -> f64 {
     bytes as f64 / 1e9
 }
@@ -218,6 +254,9 @@ fn main() {
     let mut match_ns = Vec::with_capacity(QUERIES);
     let mut decide_ns = Vec::with_capacity(QUERIES);
     let mut best_sum = 0u64;
+    // Each prompt's own latencies: a slow code path shows as a prompt slow every time it runs;
+    // the machine's interruptions as single slow calls spread over many prompts.
+    let mut per_prompt_ns: Vec<Vec<u64>> = vec![Vec::new(); prompts.len()];
     let mut matching_ranks_sum = 0u64;
     for i in 0..QUERIES + WARMUP_QUERIES {
         let toks = &prompts[i % prompts.len()];
@@ -243,6 +282,7 @@ fn main() {
             input.device_blocks = 0;
         }
         if i >= WARMUP_QUERIES {
+            per_prompt_ns[i % prompts.len()].push(dt);
             lat_ns.push(dt);
             best_sum += u64::from(out.max_matched_blocks());
             std::hint::black_box(decision.order.first());
@@ -279,6 +319,17 @@ fn main() {
         DECISION_GOAL_NS / 1_000,
         lat_ns.len(),
         over_goal as f64 * 100.0 / lat_ns.len() as f64
+    );
+    let by_prompt = PromptSpread::of(&mut per_prompt_ns, DECISION_GOAL_NS);
+    println!(
+        "  per prompt ({} prompts, ~{} calls each): the slowest prompt's median {:.1} us and p90 {:.1} us; the calls over {} us fall on {} prompts, at most {} on one",
+        per_prompt_ns.len(),
+        lat_ns.len() / per_prompt_ns.len().max(1),
+        by_prompt.slowest_median_ns as f64 / 1e3,
+        by_prompt.slowest_p90_ns as f64 / 1e3,
+        DECISION_GOAL_NS / 1_000,
+        by_prompt.prompts_over_goal,
+        by_prompt.most_over_goal_on_one,
     );
 
     if std::env::var("KVROUTE_SCALE_DECISION_ONLY").as_deref() == Ok("1") {
