@@ -22,6 +22,8 @@ prints, per row (1 replica, 4 with sharing, ...), over all its rounds:
   first token not yet out: queued or in prefill). With nothing ahead, the TTFT is the path
   (client, router, engine's own overhead and prefill) alone, so a row slower there than one
   replica pays on the path, not in the queue its routing built;
+* for prompts placed through their cold owner (the decision names `owner_wait_ms`): how long
+  the replica waited for the owner's answer, in the opening burst and after it;
 * for first turns the engine mostly computed (it reused less than half the prompt): whether
   their system prompt had been sent anywhere before in the round, and if so how long before and
   to which rank, and what the router predicted for the rank it chose. A cold first turn that
@@ -81,6 +83,8 @@ def main():
             r["cost_ms"] = float(field(r["decision"], "cost_ms") or 0.0)
             r["computed"] = max(0, r["prompt_tokens"] - r["cached_tokens"])
             r["over"] = r["predicted"] - r["cached_tokens"] > OVER_TOKENS_MIN
+            wait = field(r["decision"], "owner_wait_ms")
+            r["owner_wait_ms"] = float(wait) if wait else None
             runs[(r["row"], r["round"])].append(r)
     if not runs:
         sys.exit(f"{args.trace}: no request with a decision header")
@@ -124,6 +128,9 @@ def main():
                 out["slow"].append((kind, r["reason"], reused))
             if r["turn"] > 0:
                 out["later"].append(r)
+            if r["owner_wait_ms"] is not None:
+                kind = "burst" if r["turn"] == 0 and r["conversation"] < args.burst else "after the burst"
+                out["owner_wait"].append((kind, r["owner_wait_ms"]))
         for r in requests:
             if r["turn"] > 0:
                 ahead = sum(
@@ -175,6 +182,14 @@ def main():
                     f"{a}{'+' if a == AHEAD_MAX else ''}: {quantile(v, .5):.1f} ms ({len(v) / n_rounds:.0f}/round)"
                     for a, v in sorted(by_ahead.items())
                 )
+            )
+        waits = collections.defaultdict(list)
+        for kind, ms in out["owner_wait"]:
+            waits[kind].append(ms)
+        for kind, v in sorted(waits.items()):
+            print(
+                f"  waited for the cold prompt's owner, {kind}: {len(v) / n_rounds:.1f} per round,"
+                f" p50 {quantile(v, .5):.2f} / p90 {quantile(v, .9):.2f} / max {max(v):.2f} ms"
             )
         cold = out["cold_first"]
         if cold:

@@ -395,7 +395,7 @@ impl SweepRow {
 }
 
 /// Waits until every replica counts each of its siblings as heard (load sharing on).
-async fn wait_siblings_heard(replicas: &[kvroute::RouterHandle]) -> Result<(), String> {
+async fn wait_siblings_heard(replicas: &[&kvroute::RouterHandle]) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_millis(SIBLINGS_HEARD_DEADLINE_MS);
     loop {
         let heard: Vec<usize> = replicas
@@ -423,6 +423,71 @@ async fn wait_siblings_heard(replicas: &[kvroute::RouterHandle]) -> Result<(), S
     }
 }
 
+/// One replica of a round, its control plane on a runtime of its own, as in its own process.
+///
+/// Why not the demo's runtime: a replica's control plane (pump, subscribers, sibling streams,
+/// the internal listener that answers cold placements) shares its runtime with nothing but
+/// itself in a deployment. On the demo's runtime, four replicas' control tasks queued behind
+/// one another and behind the simulated engines and the client on the same two workers,
+/// without preemption: a sibling's cold placement waited for unrelated replicas' tasks, and
+/// the engines' clocks for the routers'. That is a cost of the in-process harness, not of
+/// replicas (docs/BENCHMARKS.md, "Several replicas behind one Service"). The data planes
+/// already run on threads of their own.
+struct Replica {
+    handle: kvroute::RouterHandle,
+    runtime: ControlRuntime,
+}
+
+/// A replica's control runtime, stopped in the background when dropped: a round ended early by
+/// an error drops it inside the demo's async context, where a runtime's blocking drop panics.
+struct ControlRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for ControlRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl Replica {
+    /// Worker threads per replica's control runtime: what `#[tokio::main]` gives the router's
+    /// own binary on this machine (one per CPU).
+    fn control_threads() -> usize {
+        std::thread::available_parallelism().map_or(1, usize::from)
+    }
+
+    async fn start(index: usize, config: kvroute::RouterConfig) -> Result<Replica, String> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(Self::control_threads())
+            .thread_name(format!("replica-{index}-control"))
+            .enable_all()
+            .build()
+            .map_err(|e| format!("replica {index}: cannot start its control runtime: {e}"))?;
+        // Spawned, not awaited here: `serve` takes the runtime it runs on as the router's
+        // control runtime (`Router::control`).
+        let handle = runtime
+            .spawn(kvroute::serve(config))
+            .await
+            .map_err(|e| format!("replica {index}: start-up task failed: {e}"))?
+            .map_err(|e| format!("replica {index}: {e}"))?;
+        Ok(Replica {
+            handle,
+            runtime: ControlRuntime(Some(runtime)),
+        })
+    }
+
+    /// Shuts the router down on its own runtime, then the runtime.
+    async fn shutdown(self) {
+        let Replica { handle, runtime } = self;
+        if let Some(rt) = runtime.0.as_ref()
+            && let Err(e) = rt.spawn(handle.shutdown()).await
+        {
+            eprintln!("a replica's shutdown task failed: {e}");
+        }
+    }
+}
+
 async fn run_once(
     args: &DemoArgs,
     conversations: &Arc<Vec<super::Conversation>>,
@@ -438,7 +503,7 @@ async fn run_once(
     let fleet = kvroute_sim::start_fleet(sim)
         .await
         .map_err(|e| e.to_string())?;
-    let mut handles = Vec::with_capacity(replicas);
+    let mut replicas_started = Vec::with_capacity(replicas);
     for i in 0..replicas {
         let seed = args.seed + 1_000 * round + i as u64;
         let mut config = kvroute::RouterConfig {
@@ -463,8 +528,9 @@ async fn run_once(
             )
         };
         slow_down_router(scale, &mut config)?;
-        handles.push(kvroute::serve(config).await.map_err(|e| e.to_string())?);
+        replicas_started.push(Replica::start(i, config).await?);
     }
+    let handles: Vec<&kvroute::RouterHandle> = replicas_started.iter().map(|r| &r.handle).collect();
     for (i, h) in handles.iter().enumerate() {
         let siblings = handles
             .iter()
@@ -508,8 +574,9 @@ async fn run_once(
         .iter()
         .map(|h| Tokenizing::of(&h.router.metrics))
         .fold(Tokenizing::default(), Tokenizing::plus);
-    for h in handles {
-        h.shutdown().await;
+    drop(handles);
+    for replica in replicas_started {
+        replica.shutdown().await;
     }
     let balance = fleet_balance(&fleet);
     fleet.shutdown().await;

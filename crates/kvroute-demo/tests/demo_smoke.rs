@@ -29,3 +29,37 @@ async fn the_demo_completes_every_policy_and_cache_aware_reuses_the_cache() {
     );
     assert!(kvroute_demo::cache_aware_to_oracle_hit_rate(&results).is_some());
 }
+
+/// `--replica-sweep` runs each replica's control plane on a runtime of its own: two replicas
+/// start, serve the tiny workload behind the round robin, ask each other for cold placements
+/// across their runtimes, and stop, in both rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replica_sweep_runs_replicas_on_their_own_runtimes_and_they_place_cold_prompts() {
+    let mut args = kvroute_demo::tiny_workload_args();
+    args.sweep.replica_counts = vec![2];
+    args.sweep.replica_rounds = 1;
+    // A loaded CI machine may answer slowly; the property is that the owner is asked and
+    // answers across runtimes, not how fast.
+    args.sweep.replica_cold_owner_timeout_ms = kvroute::config::COLD_OWNER_TIMEOUT_MS_MAX;
+    let rows = kvroute_demo::replicas::run_sweep(&args)
+        .await
+        .expect("the sweep runs");
+    assert_eq!(rows.len(), 2, "2 replicas without and with sharing");
+    for row in &rows {
+        for round in &row.rounds {
+            assert_eq!(round.run.failures, 0, "{:?}", round.run);
+            assert_eq!(round.run.requests, 8, "{:?}", round.run);
+        }
+    }
+    let shared = rows.iter().find(|r| r.sharing).expect("the sharing row");
+    let chose: u64 = shared.rounds.iter().map(|r| r.cold_placements[0]).sum();
+    assert!(
+        chose > 0,
+        "the replica that does not own the cold prompts had the owner place one: {:?}",
+        shared
+            .rounds
+            .iter()
+            .map(|r| r.cold_placements)
+            .collect::<Vec<_>>()
+    );
+}

@@ -58,21 +58,32 @@ fn cold_prompt(tag: &str) -> String {
 /// Sends one chat through `base`; returns the status and the rank the router chose
 /// (`url#dp_rank` from the decision header).
 async fn chat(base: String, content: String) -> (u16, String) {
+    let (status, d) = chat_decision(base, content).await;
+    (
+        status,
+        format!("{}#{}", field(&d, "url"), field(&d, "dp_rank")),
+    )
+}
+
+/// Sends one chat through `base`; returns the status and the whole decision header.
+async fn chat_decision(base: String, content: String) -> (u16, String) {
     let (status, body, headers) = post_json(
         &format!("{base}/v1/chat/completions"),
         &json!({"model": "m", "max_tokens": 2,
             "messages": [{"role": "user", "content": content}]}),
     )
     .await;
-    let d = decision(&headers);
-    let field = |name: &str| {
-        d.split(';')
-            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
-            .unwrap_or("?")
-            .to_string()
-    };
     assert_eq!(status, 200, "{body}");
-    (status, format!("{}#{}", field("url"), field("dp_rank")))
+    (status, decision(&headers))
+}
+
+/// One `name=value` field of a decision header ("?" when absent).
+fn field(decision: &str, name: &str) -> String {
+    decision
+        .split(';')
+        .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+        .unwrap_or("?")
+        .to_string()
 }
 
 async fn start_replicas(
@@ -326,7 +337,16 @@ async fn the_owner_books_a_cold_prompts_prefill_and_the_asker_only_the_request()
         std::slice::from_ref(&b_url),
     ) == &a_url;
     let (owner, asker) = if owner_is_a { (&a, &b) } else { (&b, &a) };
-    let (_, rank) = chat(asker.url(), cold_prompt("booked")).await;
+    let (_, asked) = chat_decision(asker.url(), cold_prompt("booked")).await;
+    let rank = format!("{}#{}", field(&asked, "url"), field(&asked, "dp_rank"));
+    assert_eq!(field(&asked, "reason"), "cold_owner", "{asked}");
+    let waited_ms: f64 = field(&asked, "owner_wait_ms")
+        .parse()
+        .unwrap_or_else(|e| panic!("the decision names the wait for the owner ({e}): {asked}"));
+    assert!(
+        (0.0..1_000.0).contains(&waited_ms),
+        "the wait is within the ask's timeout: {asked}"
+    );
     let owner_workers = workers(&owner.url()).await;
     let asker_workers = workers(&asker.url()).await;
     let owner_backlog = rank_field(&owner_workers, "prefill_backlog_us");
@@ -355,6 +375,13 @@ async fn the_owner_books_a_cold_prompts_prefill_and_the_asker_only_the_request()
     assert!(
         owner_sent.iter().all(|r| r.2 == 0),
         "the owner dispatched nothing: {owner_sent:?}"
+    );
+    // The owner places its own cold prompt without asking anyone: no wait to name.
+    let (_, placed_here) = chat_decision(owner.url(), cold_prompt("owned")).await;
+    assert_eq!(
+        field(&placed_here, "owner_wait_ms"),
+        "?",
+        "the owner asked nobody: {placed_here}"
     );
     a.shutdown().await;
     b.shutdown().await;

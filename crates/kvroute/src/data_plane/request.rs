@@ -95,14 +95,15 @@ pub async fn route_request(
             prompt_tokens,
         )
         .await;
+        let waited = asked.elapsed();
         router
             .metrics
             .cold_placement_wait
-            .observe(asked.elapsed().as_secs_f64());
+            .observe(waited.as_secs_f64());
         if let Err(e) = &placement {
             tracing::debug!(owner = %deferral.owner, error = %e, "cold placement not used");
         }
-        router.settle_cold(&mut plan, placement.as_ref().ok());
+        router.settle_cold(&mut plan, placement.as_ref().ok(), waited);
     }
     if let Some(completion) = head_completion {
         // Now that the rank is chosen: the rest of the chat is tokenized aside, and its blocks

@@ -56,6 +56,10 @@ pub struct RoutePlan {
     /// also when the owner queued no work (it found the prompt cached): the dispatch then
     /// books this replica's own estimate, as for any request.
     pub prefill_booked_by_owner: Option<usize>,
+    /// How long this replica waited for the owner of its cold prompt (answered or not), in
+    /// microseconds; `None` when nobody was asked. Named in `x-kvroute-decision`, because on a
+    /// busy machine it is a visible part of the request's time to first token.
+    pub owner_wait_us: Option<u64>,
 }
 
 /// Who places a cold prompt, when ownership is in force.
@@ -92,7 +96,7 @@ impl RoutePlan {
         let c = &self.candidates[idx];
         let s = &self.decision.scores[idx];
         let worker = self.worker(c);
-        format!(
+        let mut value = format!(
             "policy={policy};reason={};worker={};url={};dp_rank={};matched_blocks={};prompt_tokens={};cost_ms={:.3};candidates={};pending_blocks={}",
             self.decision.reason,
             worker.id,
@@ -103,7 +107,13 @@ impl RoutePlan {
             s.cost_ms,
             self.candidates.len(),
             c.input.pending_blocks
-        )
+        );
+        if let Some(us) = self.owner_wait_us {
+            use std::fmt::Write as _;
+            // Cannot fail: writing to a String.
+            let _ = write!(value, ";owner_wait_ms={:.3}", us as f64 / 1000.0);
+        }
+        value
     }
 }
 
@@ -180,11 +190,18 @@ impl Router {
 
     /// Finishes a plan deferred to a cold prompt's owner: routes to the owner's rank when this
     /// replica can (`placement`), else keeps its own choice, then records and publishes the
-    /// pending prefix as the routing path does. A plan with no deferral is left unchanged.
-    pub fn settle_cold(&self, plan: &mut RoutePlan, placement: Option<&ColdPlacement>) {
+    /// pending prefix as the routing path does; `waited` (the ask's time) goes to the decision
+    /// header as `owner_wait_ms`. A plan with no deferral is left unchanged.
+    pub fn settle_cold(
+        &self,
+        plan: &mut RoutePlan,
+        placement: Option<&ColdPlacement>,
+        waited: std::time::Duration,
+    ) {
         let Some(deferral) = plan.cold_deferral.take() else {
             return;
         };
+        plan.owner_wait_us = Some(u64::try_from(waited.as_micros()).unwrap_or(u64::MAX));
         self.cold_owner_standings.lock().record(
             &deferral.owner,
             if placement.is_some() {
@@ -529,6 +546,7 @@ impl Router {
             indexed,
             cold_deferral,
             prefill_booked_by_owner: None,
+            owner_wait_us: None,
         })
     }
 
