@@ -45,7 +45,11 @@
 //!
 //! Cost: one round trip on the internal listener for a cold prompt of a fleet with siblings,
 //! nothing for a prompt an engine holds half of, nothing without siblings. A cold prompt's
-//! prefill is tens of milliseconds, a round trip between two hosts a fraction of one.
+//! prefill is tens of milliseconds, a round trip between two hosts a fraction of one (0.6-0.9 ms
+//! p50 between four in-process replicas on two cores at one request at a time). Where the
+//! replicas' cores are saturated, every thread of the round trip waits for one (11 ms p50 in
+//! the demo's four-replica sweep, docs/BENCHMARKS.md): the asker names its wait in the
+//! decision header (`owner_wait_ms`) so that such a host shows where the time went.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -240,8 +244,9 @@ pub enum ColdAskError {
 
 /// Asks `owner` to place a prompt of `model` with `tokens`; bounded by the configured timeout.
 /// Runs on the control runtime (the shared HTTP client's connections live there). Sending it
-/// from the data-plane thread's own client instead was measured: no shorter wait, and more
-/// timeouts on a loaded machine (the thread also serves its other connections).
+/// from the data-plane thread's own client instead was measured twice: no shorter wait (the
+/// thread also serves its other connections), and once more timeouts on a loaded machine
+/// (docs/BENCHMARKS.md, "Each replica on a runtime of its own").
 pub async fn ask_owner(
     router: &Arc<Router>,
     owner: &PeerUrl,
