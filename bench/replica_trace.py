@@ -57,6 +57,11 @@ def field(decision, name):
     return None
 
 
+def in_burst(r, burst):
+    """A first turn of the conversations that start at once (the workload's opening burst)."""
+    return r["turn"] == 0 and r["conversation"] < burst
+
+
 def quantile(values, q):
     """The demo's percentile: the nearest-rank value (the ceil(q * n)-th smallest)."""
     values = sorted(values)
@@ -120,7 +125,7 @@ def main():
             by_rank[r["rank"]].append(r)
             if r["ttft_ms"] > args.slow_ms:
                 kind = (
-                    "burst first turn" if r["turn"] == 0 and r["conversation"] < args.burst
+                    "burst first turn" if in_burst(r, args.burst)
                     else "later first turn" if r["turn"] == 0
                     else "later turn"
                 )
@@ -129,7 +134,7 @@ def main():
             if r["turn"] > 0:
                 out["later"].append(r)
             if r["owner_wait_ms"] is not None:
-                kind = "burst" if r["turn"] == 0 and r["conversation"] < args.burst else "after the burst"
+                kind = "burst" if in_burst(r, args.burst) else "after the burst"
                 out["owner_wait"].append((kind, r["owner_wait_ms"]))
         for r in requests:
             if r["turn"] > 0:
