@@ -35,7 +35,10 @@
 //!
 //! Validation is split from the writer on purpose: [`GraftPlan::new`] checks the whole snapshot
 //! and reduces it to the ranks to graft, a linear pass that can run on any thread; the writer's
-//! [`IndexWriter::begin_graft`] only maps ranks and allocates.
+//! [`IndexWriter::begin_graft`] only maps ranks and allocates. The same goes for memory: a plan
+//! laid out for the index ([`GraftPlan::lay_out_for`]) brings the job's columns already written,
+//! and a [`GraftRoom`] that another thread fills with the storage the job will write into while
+//! the job runs, so the writer spends its slices placing nodes rather than taking page faults.
 
 use std::sync::Arc;
 
@@ -44,8 +47,10 @@ use kvroute_wire::snapshot::{IndexSnapshot, NO_PARENT, RankCursor, RankRef, Snap
 use thiserror::Error;
 
 use crate::index::{
-    EntryKeys, IndexReader, IndexWriter, RankId, RestoreDelta, Shard, Shared, word, word_rank,
+    EntryKeys, IndexReader, IndexWriter, RankId, RestoreDelta, SLAB_CHUNK_NODES, Shard, Shared,
+    word, word_rank, written_zeros,
 };
+use crate::room::GraftRoom;
 use crate::snapshot::{RestoreError, retain_ranks_validated, validate_snapshot};
 use crate::table::HashSlots;
 
@@ -130,6 +135,21 @@ struct ShardLayout {
     lists_per_shard: Vec<usize>,
     /// Per shard, an empty table with room for its nodes (taken by a shard that holds nothing).
     tables: Vec<HashSlots>,
+    /// Slab chunks for the nodes and the ranks' side tables, made ready on a helper thread while
+    /// the job runs (see [`crate::room`]); at most enough for every node and carrier of the plan.
+    room: Arc<GraftRoom>,
+    /// The job's own columns, made and written once here, beside the layout's pass, so the
+    /// writer does not take their first-touch page faults: each node's shard (the layout
+    /// computes it anyway), and the zeroed `placed` and `bucket_node` (see [`GraftJob`]).
+    job_columns: Option<JobColumns>,
+}
+
+/// See [`ShardLayout::job_columns`].
+#[derive(Clone)]
+struct JobColumns {
+    shard_of: Vec<u8>,
+    placed: Vec<u32>,
+    bucket_node: Vec<u32>,
 }
 
 impl std::fmt::Debug for ShardLayout {
@@ -138,6 +158,7 @@ impl std::fmt::Debug for ShardLayout {
             .field("shards", &self.shards)
             .field("nodes_per_shard", &self.nodes_per_shard)
             .field("lists_per_shard", &self.lists_per_shard)
+            .field("room", &self.room)
             .finish_non_exhaustive()
     }
 }
@@ -190,29 +211,79 @@ impl GraftPlan {
         let shared = &index.shared;
         let n = &self.snapshot.nodes;
         let shards = shared.shards.len();
-        let mut shard_of = vec![0u8; n.len()];
+        let carriers = self.rank_engines.len();
         let mut nodes_per_shard = vec![0usize; shards];
         let mut lists_per_shard = vec![0usize; shards];
-        let mut carriers_before = 0u32;
-        for i in 0..n.len() {
-            // Parents precede children (validated by `new`), so a parent's shard is known.
-            let s = shard_of_node(shared, n, &mut shard_of, i);
-            nodes_per_shard[s] += 1;
-            if n.carrier_end[i] - carriers_before >= 2 {
-                lists_per_shard[s] += 1;
+        let mut shared_nodes: Vec<(u32, u32)> = Vec::new();
+        let (shard_of, zeroed) = std::thread::scope(|scope| {
+            // The job's zeroed columns are written on a second thread while this one walks the
+            // nodes: their page faults then overlap the walk instead of following it.
+            let zeroed = std::thread::Builder::new()
+                .name("kvroute-graft-columns".into())
+                .spawn_scoped(scope, || {
+                    (
+                        written_zeros::<u32>(n.len()),
+                        written_zeros::<u32>(carriers),
+                    )
+                });
+            // Written whole by the loop below.
+            let mut shard_of = vec![0u8; n.len()];
+            let mut carriers_before = 0u32;
+            for i in 0..n.len() {
+                // Parents precede children (validated by `new`), so a parent's shard is known.
+                let s = shard_of_node(shared, n, &mut shard_of, i);
+                nodes_per_shard[s] += 1;
+                let carriers = n.carrier_end[i] - carriers_before;
+                if carriers >= 2 {
+                    lists_per_shard[s] += 1;
+                    // Node indices fit u32: the snapshot's own carrier offsets are u32.
+                    shared_nodes.push((i as u32, carriers));
+                }
+                carriers_before = n.carrier_end[i];
             }
-            carriers_before = n.carrier_end[i];
-        }
+            // No thread to spare: the job allocates its own columns, as without a layout.
+            let zeroed = zeroed.ok().and_then(|h| h.join().ok());
+            (shard_of, zeroed)
+        });
+        let job_columns = zeroed.map(|(placed, bucket_node)| JobColumns {
+            shard_of,
+            placed,
+            bucket_node,
+        });
         let tables = nodes_per_shard
             .iter()
             .map(|&nodes| HashSlots::with_room(nodes))
+            .collect();
+        let chunks_max = nodes_per_shard
+            .iter()
+            .map(|&nodes| nodes.div_ceil(SLAB_CHUNK_NODES))
+            .sum();
+        let side_entries = self
+            .rank_carrier_start
+            .windows(2)
+            .map(|w| w[1] - w[0])
             .collect();
         self.shard_layout = Some(ShardLayout {
             shards,
             nodes_per_shard,
             lists_per_shard,
             tables,
+            room: Arc::new(GraftRoom::new(
+                chunks_max,
+                n.len(),
+                shared_nodes,
+                side_entries,
+            )),
+            job_columns,
         });
+    }
+
+    /// The storage a job of this plan grafts into, once the plan is laid out: run
+    /// [`GraftRoom::prepare`] on another thread while the writer grafts, so the slabs' and side
+    /// maps' fresh memory is first touched there. Optional: a job whose room nobody prepares
+    /// allocates its own, as without a layout.
+    pub fn room(&self) -> Option<Arc<GraftRoom>> {
+        self.shard_layout.as_ref().map(|l| l.room.clone())
     }
 
     pub fn snapshot(&self) -> &IndexSnapshot {
@@ -458,6 +529,9 @@ pub struct GraftReport {
     /// Cursors set, as (local rank id, snapshot cursor).
     pub cursors_set: Vec<(RankId, RankCursor)>,
     pub evicted_carriers: u64,
+    /// Pieces of storage taken from the plan's [`GraftRoom`] (slab chunks, carrier lists, side
+    /// tables) instead of allocated by the writer.
+    pub room_pieces_taken: u64,
 }
 
 /// Whether a job is finished.
@@ -502,20 +576,41 @@ impl IndexWriter {
         let bucketed = plan.rank_engines.len();
         let nodes = plan.snapshot.nodes.len();
         let snapshot_ranks = local.len();
-        let shard_room = plan
+        let mut shard_room = plan
             .shard_layout
             .take()
             .filter(|l| l.shards == self.shared.shards.len());
+        // The layout's columns when it made them for this plan: all zeros but `shard_of`, whose
+        // entries the job rewrites in order before reading them, whatever index it was laid out
+        // for.
+        let JobColumns {
+            shard_of,
+            placed,
+            bucket_node,
+        } = shard_room
+            .as_mut()
+            .and_then(|l| l.job_columns.take())
+            .filter(|c| {
+                c.shard_of.len() == nodes
+                    && c.placed.len() == nodes
+                    && c.bucket_node.len() == bucketed
+            })
+            .unwrap_or_else(|| JobColumns {
+                shard_of: vec![0; nodes],
+                placed: vec![0; nodes],
+                // Zeroed memory is free to get, and only the grafted ranks' slots are ever
+                // written.
+                bucket_node: vec![0; bucketed],
+            });
         Ok(GraftJob {
             shared: self.shared.clone(),
             local,
             stage: Stage::Nodes { next: 0 },
-            placed: vec![0; nodes],
-            shard_of: vec![0; nodes],
+            placed,
+            shard_of,
             bucket_fill: bucket_start[..bucket_start.len() - 1].to_vec(),
             bucket_start,
-            // Zeroed memory is free to get, and only the grafted ranks' slots are ever written.
-            bucket_node: vec![0; bucketed],
+            bucket_node,
             displaced: Vec::new(),
             eviction_runs_at_begin: self.reader().counters().eviction_runs,
             ancestors: Vec::new(),
@@ -551,7 +646,12 @@ impl IndexWriter {
                     }
                     spent += self.place_nodes(job, items_max.max(1) - spent);
                 }
-                Stage::Nodes { .. } => job.stage = Stage::Sides { rank: 0 },
+                Stage::Nodes { .. } => {
+                    if let Some(l) = &job.shard_room {
+                        l.room.writer_at_node(job.plan.snapshot.nodes.len());
+                    }
+                    job.stage = Stage::Sides { rank: 0 };
+                }
                 Stage::Sides { rank } if rank < job.local.len() => {
                     let entries = job.bucket_fill[rank] - job.bucket_start[rank];
                     if spent > 0 && spent.saturating_add(entries) > items_max {
@@ -662,6 +762,15 @@ impl IndexWriter {
                 shard.reserve_for_graft(nodes, lists, table);
                 shard_sized[shard_idx] = true;
             }
+            // A chunk made ready on the room's thread, when this lock span may grow the slab
+            // past what it has: its pages are resident, so the placements below do not fault.
+            if let Some(room) = shard_room.as_ref().map(|l| &l.room)
+                && shard.nodes.needs_chunk_within(GRAFT_LOCK_NODES_MAX)
+                && let Some(chunk) = room.take_chunk()
+            {
+                shard.nodes.give_spare(chunk);
+                report.room_pieces_taken += 1;
+            }
             let mut in_lock = 0usize;
             while next < total && spent < budget && in_lock < GRAFT_LOCK_NODES_MAX {
                 let i = next;
@@ -753,18 +862,24 @@ impl IndexWriter {
                     bucket_fill[r] += 1;
                 }
                 if at_once {
+                    let made = shard_room.as_ref().and_then(|l| l.room.take_list(i));
+                    report.room_pieces_taken += u64::from(made.is_some());
                     self.restore_bare_carriers(
                         &mut shard,
                         idx,
                         bare_words,
                         bare_engines,
                         &mut delta,
+                        made,
                     );
                 }
                 report.carriers += grafted as u64;
             }
         }
         self.flush_restore_delta(&mut delta);
+        if let Some(l) = shard_room.as_ref() {
+            l.room.writer_at_node(next);
+        }
         *stage = Stage::Nodes { next };
         spent
     }
@@ -822,6 +937,11 @@ impl IndexWriter {
             return;
         }
         let rank = RankId(local);
+        let made = job
+            .shard_room
+            .as_ref()
+            .and_then(|l| l.room.take_side_table(r));
+        job.report.room_pieces_taken += u64::from(made.is_some());
         let mut entries: Vec<(u64, u32)> = job.plan.rank_engines[lo..hi]
             .iter()
             .zip(&job.bucket_node[lo..hi])
@@ -844,7 +964,7 @@ impl IndexWriter {
             .map(|d| (d.1, d.2))
             .collect();
         job.displaced.retain(|d| d.0 != rank);
-        self.restore_side_entries(rank, &displaced, &entries, EntryKeys::Distinct);
+        self.restore_side_entries(rank, &displaced, &entries, EntryKeys::Distinct, made);
     }
 
     fn finish_graft(&mut self, job: &mut GraftJob) {

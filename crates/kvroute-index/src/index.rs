@@ -364,11 +364,40 @@ impl Node {
     }
 }
 
+/// `len` zeros, written: `vec![0; len]` takes fresh zero pages from the system (calloc) without
+/// touching them, which leaves every first-touch page fault to whoever writes the vector next.
+/// Storage made ready off the writer ([`crate::room`]) must have been written, so its faults are
+/// taken here, on the thread that makes it.
+#[allow(clippy::slow_vector_initialization)]
+pub(crate) fn written_zeros<T: Copy + Default>(len: usize) -> Vec<T> {
+    let mut column = Vec::with_capacity(len);
+    column.resize(len, T::default());
+    column
+}
+
 /// Carriers of a multi-carrier node, as two parallel arrays.
 #[derive(Default)]
-struct CarrierList {
+pub(crate) struct CarrierList {
     words: Vec<u32>,
     engines: Vec<u64>,
+}
+
+impl CarrierList {
+    /// An empty list with room for `carriers`, its memory written once (see
+    /// [`Slab::touched_chunk`] for why).
+    pub(crate) fn touched(carriers: usize) -> CarrierList {
+        let mut words = written_zeros(carriers);
+        words.clear();
+        let mut engines = written_zeros(carriers);
+        engines.clear();
+        CarrierList { words, engines }
+    }
+
+    /// Heap bytes of the list's two arrays.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.words.capacity() * std::mem::size_of::<u32>()
+            + self.engines.capacity() * std::mem::size_of::<u64>()
+    }
 }
 
 /// Carrier words per cache line, and how many lines of a carrier list's words a batched key read
@@ -387,6 +416,8 @@ pub const SLAB_CHUNK_NODES: usize = 4096;
 pub(crate) struct Slab {
     chunks: Vec<Vec<Node>>,
     len: usize,
+    /// Empty chunks made ready elsewhere ([`crate::room::NodeRoom`]), taken before allocating.
+    spare: Vec<Vec<Node>>,
 }
 
 impl Slab {
@@ -397,7 +428,11 @@ impl Slab {
 
     fn push(&mut self, node: Node) {
         if self.len.is_multiple_of(SLAB_CHUNK_NODES) {
-            self.chunks.push(Vec::with_capacity(SLAB_CHUNK_NODES));
+            let chunk = self
+                .spare
+                .pop()
+                .unwrap_or_else(|| Vec::with_capacity(SLAB_CHUNK_NODES));
+            self.chunks.push(chunk);
         }
         if let Some(chunk) = self.chunks.last_mut() {
             chunk.push(node);
@@ -416,8 +451,34 @@ impl Slab {
     }
 
     fn capacity_bytes(&self) -> usize {
-        self.chunks.len() * SLAB_CHUNK_NODES * std::mem::size_of::<Node>()
-            + self.chunks.capacity() * std::mem::size_of::<Vec<Node>>()
+        (self.chunks.len() + self.spare.len()) * SLAB_CHUNK_NODES * std::mem::size_of::<Node>()
+            + (self.chunks.capacity() + self.spare.capacity()) * std::mem::size_of::<Vec<Node>>()
+    }
+
+    /// True when pushing `nodes` more would need a chunk the slab has neither begun nor been
+    /// given.
+    pub(crate) fn needs_chunk_within(&self, nodes: usize) -> bool {
+        self.spare.is_empty() && self.chunks.len() * SLAB_CHUNK_NODES - self.len < nodes
+    }
+
+    /// Keeps `chunk` for the next growth. Only an empty chunk of the slab's size is kept: the
+    /// slab's indexing assumes every chunk holds exactly [`SLAB_CHUNK_NODES`] slots.
+    pub(crate) fn give_spare(&mut self, chunk: Vec<Node>) {
+        if chunk.is_empty() && chunk.capacity() == SLAB_CHUNK_NODES {
+            self.spare.push(chunk);
+        }
+    }
+
+    /// An empty chunk whose memory has been written once, so that its first-touch page faults
+    /// (on fresh memory, zeroing by the kernel) are paid by the thread that calls this, not by
+    /// the writer that fills it later. The bytes written are zeros under `MaybeUninit`: the
+    /// chunk's length stays 0 and nothing reads them.
+    pub(crate) fn touched_chunk() -> Vec<Node> {
+        let mut chunk: Vec<Node> = Vec::with_capacity(SLAB_CHUNK_NODES);
+        for slot in chunk.spare_capacity_mut() {
+            *slot = std::mem::MaybeUninit::zeroed();
+        }
+        chunk
     }
 }
 
@@ -444,6 +505,19 @@ pub(crate) struct Shard {
     free_lists: Vec<u32>,
     /// Bumped by every write, so the exporter can tell whether a shard moved between chunks.
     pub(crate) mutations: u64,
+}
+
+/// Index of `made` (empty) in the shard's pool: in a freed slot, whose old list it replaces,
+/// else in a new one.
+fn adopt_list(lists: &mut Vec<CarrierList>, free_lists: &mut Vec<u32>, made: CarrierList) -> u32 {
+    debug_assert!(made.words.is_empty() && made.engines.is_empty());
+    if let Some(idx) = free_lists.pop() {
+        lists[idx as usize] = made;
+        idx
+    } else {
+        lists.push(made);
+        (lists.len() - 1) as u32
+    }
 }
 
 /// Index of an empty list in the shard's pool: a freed one reused, else a new one.
@@ -691,10 +765,28 @@ impl Shard {
     /// allocated at its final size. The result equals `add_carrier` once per word; a graft's
     /// shared prefixes pay that way a rank scan per carrier (quadratic in the carriers) and a
     /// list growth step each time the count doubles.
-    pub(crate) fn set_carriers_of_bare_node(&mut self, idx: u32, words: &[u32], engines: &[u64]) {
+    ///
+    /// `made` is an empty list made ready elsewhere ([`crate::room`]), used when it has room
+    /// for every carrier, so the list's memory is not first touched here.
+    pub(crate) fn set_carriers_of_bare_node(
+        &mut self,
+        idx: u32,
+        words: &[u32],
+        engines: &[u64],
+        made: Option<CarrierList>,
+    ) {
         debug_assert!(words.len() >= 2 && words.len() == engines.len());
         debug_assert!(self.carries_nothing(idx));
-        let list_idx = empty_list(&mut self.lists, &mut self.free_lists);
+        let list_idx = match made {
+            Some(made)
+                if made.words.is_empty()
+                    && made.words.capacity() >= words.len()
+                    && made.engines.capacity() >= engines.len() =>
+            {
+                adopt_list(&mut self.lists, &mut self.free_lists, made)
+            }
+            _ => empty_list(&mut self.lists, &mut self.free_lists),
+        };
         let list = &mut self.lists[list_idx as usize];
         list.words.extend_from_slice(words);
         list.engines.extend_from_slice(engines);
@@ -1647,8 +1739,9 @@ impl IndexWriter {
         words: &[u32],
         engines: &[u64],
         delta_tiers: &mut RestoreDelta,
+        made: Option<CarrierList>,
     ) {
-        shard.set_carriers_of_bare_node(idx, words, engines);
+        shard.set_carriers_of_bare_node(idx, words, engines, made);
         for &w in words {
             delta_tiers.record(RankId(word_rank(w)), 0, word_tiers(w));
         }
@@ -1656,16 +1749,27 @@ impl IndexWriter {
 
     /// Drops side entries of replaced engine hashes, then inserts `(engine, node_ref)` pairs.
     /// `keys` says whether the caller proved the entries' engine hashes pairwise distinct.
+    /// `made` is an empty table made ready elsewhere ([`crate::room`]): an empty side map
+    /// with less room than the entries takes it instead of allocating its own.
     pub(crate) fn restore_side_entries(
         &mut self,
         rank: RankId,
         displaced: &[(u64, u32)],
         entries: &[(u64, u32)],
         keys: EntryKeys,
+        made: Option<HashTable<u32>>,
     ) {
         let Some(Some(wr)) = self.ranks.get_mut(rank.0 as usize) else {
             return;
         };
+        if let Some(made) = made
+            && made.is_empty()
+            && wr.side.is_empty()
+            && wr.side.capacity() < entries.len()
+            && made.capacity() >= entries.len()
+        {
+            wr.side = made;
+        }
         for &(old, node_ref) in displaced {
             side_remove_if(&mut wr.side, old, node_ref);
         }
@@ -2109,6 +2213,106 @@ const _: () = assert!(std::mem::size_of::<Node>() == 32);
 mod tests {
     use super::*;
 
+    /// A shard that grows into a chunk made ready elsewhere ([`crate::room::NodeRoom`]) holds
+    /// its nodes there, counts the chunk as memory while it waits, and still finds every node.
+    #[test]
+    fn a_slab_grows_into_a_given_chunk_and_counts_it_while_spare() {
+        let mut shard = Shard::new();
+        assert!(
+            shard.nodes.needs_chunk_within(1),
+            "an empty slab has no room"
+        );
+        shard.nodes.give_spare(Slab::touched_chunk());
+        assert!(
+            !shard.nodes.needs_chunk_within(2 * SLAB_CHUNK_NODES),
+            "a spare covers the next growth"
+        );
+        let chunk_bytes = SLAB_CHUNK_NODES * std::mem::size_of::<Node>();
+        assert!(
+            shard.nodes.capacity_bytes() >= chunk_bytes,
+            "the spare is counted"
+        );
+        let given = shard.nodes.spare[0].as_ptr();
+        let idx = shard
+            .find_or_create(0xC000_0000_0000_0003, NONE, u32::MAX, 0)
+            .expect("room");
+        assert_eq!(
+            shard.nodes.chunks[0].as_ptr(),
+            given,
+            "grew into the given chunk"
+        );
+        assert!(shard.nodes.spare.is_empty());
+        assert_eq!(shard.find(0xC000_0000_0000_0003), Some(idx));
+        assert!(shard.nodes.needs_chunk_within(SLAB_CHUNK_NODES));
+        assert!(!shard.nodes.needs_chunk_within(SLAB_CHUNK_NODES - 1));
+        for h in 1..SLAB_CHUNK_NODES as u64 {
+            shard.find_or_create(h, NONE, u32::MAX, 0).expect("room");
+        }
+        assert!(shard.nodes.needs_chunk_within(1), "the given chunk is full");
+        let next = shard.find_or_create(0xD000_0000_0000_0004, NONE, u32::MAX, 0);
+        assert_eq!(
+            next,
+            Some(SLAB_CHUNK_NODES as u32),
+            "and the slab grows on its own"
+        );
+        assert_eq!(shard.nodes.chunks.len(), 2);
+    }
+
+    /// Only an empty chunk of the slab's own size is kept as a spare: the slab's indexing
+    /// assumes every chunk holds exactly `SLAB_CHUNK_NODES` slots.
+    #[test]
+    fn a_chunk_of_another_size_or_not_empty_is_not_kept_as_a_spare() {
+        let mut slab = Slab::default();
+        slab.give_spare(Vec::with_capacity(SLAB_CHUNK_NODES / 2));
+        assert!(slab.needs_chunk_within(1));
+        let mut used = Slab::touched_chunk();
+        used.push(Node {
+            hash: 7,
+            engine_or_digest: 0,
+            carrier: EMPTY_CARRIER,
+            parent: NONE,
+            children: 0,
+            stamp: AtomicU32::new(0),
+        });
+        slab.give_spare(used);
+        assert!(slab.needs_chunk_within(1));
+        assert!(slab.spare.is_empty());
+    }
+
+    /// A list made ready elsewhere ([`crate::room`]) holds a node's carriers exactly as a list
+    /// the shard allocates; it is used only when it has room for all of them, and it takes a
+    /// freed slot of the pool when there is one.
+    #[test]
+    fn a_list_made_elsewhere_holds_what_an_own_list_holds_and_only_when_it_has_room() {
+        let mut shard = Shard::new();
+        let nodes: Vec<u32> = (1..=4u64)
+            .map(|h| shard.find_or_create(h, NONE, u32::MAX, 0).expect("room"))
+            .collect();
+        let words = [word(1, 1), word(2, 1), word(3, 2)];
+        let engines = [10u64, 20, 30];
+        shard.set_carriers_of_bare_node(nodes[0], &words, &engines, None);
+        shard.set_carriers_of_bare_node(nodes[1], &words, &engines, Some(CarrierList::touched(3)));
+        assert_eq!(node_state(&shard, nodes[1]), node_state(&shard, nodes[0]));
+        let made_slot = shard.nodes[nodes[1] as usize].list().expect("a list");
+        assert!(
+            shard.lists[made_slot].words.capacity() == 3,
+            "the made list was used"
+        );
+        shard.set_carriers_of_bare_node(nodes[2], &words, &engines, Some(CarrierList::touched(2)));
+        assert_eq!(
+            node_state(&shard, nodes[2]),
+            node_state(&shard, nodes[0]),
+            "too small: own"
+        );
+        // Free node 0's list (down to one carrier), then a made list takes its slot.
+        shard.clear_carrier(nodes[0], 1, u8::MAX, None);
+        shard.clear_carrier(nodes[0], 2, u8::MAX, None);
+        let freed = *shard.free_lists.last().expect("a freed list");
+        shard.set_carriers_of_bare_node(nodes[3], &words, &engines, Some(CarrierList::touched(8)));
+        assert_eq!(shard.nodes[nodes[3] as usize].list(), Some(freed as usize));
+        assert_eq!(node_state(&shard, nodes[3]), node_state(&shard, nodes[1]));
+    }
+
     fn node_state(shard: &Shard, idx: u32) -> (Vec<u32>, Vec<u64>, u64) {
         let node = &shard.nodes[idx as usize];
         let (words, engines) = shard.carriers(node);
@@ -2135,7 +2339,7 @@ mod tests {
         let words: Vec<u32> = carriers.iter().map(|&(r, t, _)| word(r, t)).collect();
         let engines: Vec<u64> = carriers.iter().map(|c| c.2).collect();
         assert!(shard.carries_nothing(at_once));
-        shard.set_carriers_of_bare_node(at_once, &words, &engines);
+        shard.set_carriers_of_bare_node(at_once, &words, &engines, None);
         assert!(!shard.carries_nothing(at_once));
         assert_eq!(node_state(&shard, at_once), node_state(&shard, one_by_one));
         assert_eq!(

@@ -707,6 +707,7 @@ impl IndexWriter {
                 &mine,
                 &by_rank[start[r]..fill[r]],
                 EntryKeys::Unchecked,
+                None,
             );
         }
         for c in &s.cursors {

@@ -7,8 +7,8 @@ mod common;
 
 use common::*;
 use kvroute_index::{
-    GraftError, GraftPlan, GraftProgress, IndexConfig, IndexReader, IndexWriter, PrefixIndex,
-    PrefixMatch, RankId, RestoreError,
+    GraftError, GraftPlan, GraftProgress, GraftReport, IndexConfig, IndexReader, IndexWriter,
+    PrefixIndex, PrefixMatch, RankId, RestoreError,
 };
 use kvroute_wire::event::Medium;
 use kvroute_wire::snapshot::{IndexSnapshot, NO_PARENT, RankRef};
@@ -149,6 +149,17 @@ fn target(ranks: u32) -> (IndexWriter, IndexReader, Vec<RankId>) {
     (w, r, ids)
 }
 
+/// The engine hashes snapshot rank `rank` carries, in snapshot order.
+fn engines_of_rank(snap: &IndexSnapshot, rank: usize) -> Vec<u64> {
+    snap.nodes
+        .carrier_rank
+        .iter()
+        .zip(&snap.nodes.carrier_engine_hash)
+        .filter(|(r, _)| **r as usize == rank)
+        .map(|(_, e)| *e)
+        .collect()
+}
+
 fn plan_all(s: &IndexSnapshot) -> GraftPlan {
     GraftPlan::new(s.clone(), BS, |_| true).expect("valid snapshot")
 }
@@ -160,12 +171,22 @@ fn graft_in_slices(
     ranks: &[RankId],
     items_max: usize,
 ) -> usize {
+    graft_reporting(w, plan, ranks, items_max).0
+}
+
+/// [`graft_in_slices`], also returning the job's report.
+fn graft_reporting(
+    w: &mut IndexWriter,
+    plan: GraftPlan,
+    ranks: &[RankId],
+    items_max: usize,
+) -> (usize, GraftReport) {
     let mut job = w.begin_graft(plan, ranks).expect("graft begins");
     let mut slices = 0;
     loop {
         slices += 1;
-        if let GraftProgress::Done(_) = w.graft_step(&mut job, items_max).expect("own job") {
-            return slices;
+        if let GraftProgress::Done(report) = w.graft_step(&mut job, items_max).expect("own job") {
+            return (slices, report);
         }
     }
 }
@@ -306,14 +327,7 @@ fn every_grafted_carrier_is_found_by_its_engine_hash() {
         graft_in_slices(&mut w, plan, &ids, items_max);
         assert!(r.total_carried() > 0, "the graft placed carriers");
         for (i, &id) in ids.iter().enumerate() {
-            let engines: Vec<u64> = snap
-                .nodes
-                .carrier_rank
-                .iter()
-                .zip(&snap.nodes.carrier_engine_hash)
-                .filter(|(rank, _)| **rank as usize == i)
-                .map(|(_, e)| *e)
-                .collect();
+            let engines = engines_of_rank(&snap, i);
             assert!(
                 !engines.is_empty(),
                 "rank {i} carries blocks in the snapshot"
@@ -689,6 +703,74 @@ fn a_plan_laid_out_for_another_index_shape_still_grafts_exactly() {
     graft_in_slices(&mut w2, foreign, &ids2, 5);
     assert_eq!(canonical(&r2, None), canonical(&r1, None));
     assert_eq!(answers(&r2, &queries), answers(&src, &queries));
+}
+
+/// The storage a plan's room makes on another thread (slab chunks, side tables) changes where
+/// the graft writes, never what the index holds: grafting into a room made whole beforehand, into
+/// one made by a thread while the writer grafts, and into none give the same index, and every
+/// carrier is found again by its engine hash (the side tables the room made are the ranks' maps).
+#[test]
+fn a_graft_into_the_storage_its_room_made_gives_the_same_index() {
+    // Enough nodes that a shard's slab grows by several chunks.
+    let (src, queries) = source(31, 4, 8_000);
+    let snap = src.export_snapshot();
+    let (mut w0, r0, ids0) = target(4);
+    graft_in_slices(&mut w0, plan_all(&snap), &ids0, 4_096);
+    for concurrent in [false, true] {
+        let (mut w, r, ids) = target(4);
+        let mut plan = plan_all(&snap);
+        plan.lay_out_for(&r);
+        let room = plan.room().expect("a laid-out plan has a room");
+        assert!(
+            room.chunks_max() >= 5,
+            "the shape needs several chunks: {room:?}, {} nodes",
+            snap.nodes.len()
+        );
+        let (helper, made) = if concurrent {
+            let room = room.clone();
+            (Some(std::thread::spawn(move || room.prepare())), None)
+        } else {
+            let made = room.prepare();
+            assert_eq!(made.chunks_made, room.chunks_max(), "{made:?}");
+            assert!(made.lists_made > 100, "{made:?}");
+            assert_eq!(made.side_tables_made, 4, "{made:?}");
+            (None, Some(made))
+        };
+        let (_, report) = graft_reporting(&mut w, plan, &ids, 4_096);
+        if let Some(helper) = helper {
+            helper.join().expect("the room's helper");
+        }
+        if let Some(made) = made {
+            // Every list was for a node the writer gave its carriers at once, and every table
+            // for a rank it filed; a shard's last chunk may stay unused.
+            let taken = report.room_pieces_taken as usize;
+            let all = made.chunks_made + made.lists_made + made.side_tables_made;
+            assert!(
+                taken + 4 >= all && taken <= all,
+                "taken {taken} of {all} pieces: {made:?}"
+            );
+            assert_eq!(room.ready_side_tables(), 0, "every rank took its table");
+        }
+        assert_eq!(
+            canonical(&r, None),
+            canonical(&r0, None),
+            "concurrent: {concurrent}"
+        );
+        assert_eq!(answers(&r, &queries), answers(&src, &queries));
+        for (a, b) in ids0.iter().zip(&ids) {
+            assert_eq!(r0.rank_stats(*a), r.rank_stats(*b));
+        }
+        for (i, &id) in ids.iter().enumerate() {
+            let engines = engines_of_rank(&snap, i);
+            w.apply_batch(id, 1_000_000, &batch(vec![removed(&engines, None)]));
+            assert_eq!(
+                r.rank_stats(id).map(|s| s.carried_blocks),
+                Some(0),
+                "rank {i} keeps a carrier its engine removed (concurrent: {concurrent})"
+            );
+        }
+        assert_eq!(r.node_count(), 0, "every node pruned with its last carrier");
+    }
 }
 
 proptest! {

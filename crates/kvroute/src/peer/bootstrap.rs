@@ -817,6 +817,19 @@ impl Task {
                     return;
                 }
             };
+            // The slabs' chunks and the ranks' side tables are made on the blocking pool while
+            // the pump grafts, so their first-touch page faults run beside the pump instead of
+            // on it (`kvroute_index::room`). The helper ends when the job is over.
+            if let Some(room) = plan.room() {
+                let model = model.clone();
+                tokio::task::spawn_blocking(move || {
+                    let made = room.prepare();
+                    tracing::debug!(%model, chunks = made.chunks_made, lists = made.lists_made,
+                        side_tables = made.side_tables_made, bytes = made.bytes_made,
+                        stopped_early = made.stopped_early, seconds = made.seconds,
+                        "graft room prepared");
+                });
+            }
             let offered = targets.clone();
             let graft_started = Instant::now();
             let graft = plane.graft(&model, plan, targets).await;
