@@ -47,6 +47,11 @@ use crate::index::{
 pub const EXPORT_CHUNK_NODES: usize = 4096;
 /// Snapshot nodes applied per shard write-lock acquisition during restore.
 pub const RESTORE_CHUNK_NODES: usize = 4096;
+/// An export's columns are allocated with 1/this more room than the index holds when they are
+/// sized (see [`IndexReader::export_column_room`]).
+pub const EXPORT_COLUMN_HEADROOM_DIVISOR: usize = 32;
+/// ... and at least this many entries more.
+pub const EXPORT_COLUMN_HEADROOM_MIN: usize = 4096;
 
 /// The first violation found in a snapshot, with its position.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -324,7 +329,7 @@ impl IndexReader {
 
     /// [`IndexReader::export_snapshot`], with what the walk saw of the writer.
     pub fn export_snapshot_with_report(&self) -> (IndexSnapshot, ExportReport) {
-        let (nodes, carriers) = self.export_column_hints();
+        let (nodes, carriers) = self.export_column_room();
         self.export_snapshot_into(SnapshotNodes::with_capacity(nodes, carriers))
     }
 
@@ -338,9 +343,25 @@ impl IndexReader {
         (self.node_count() as usize, carriers)
     }
 
+    /// The room to allocate for an export's columns before its walk: what the index holds now
+    /// ([`IndexReader::export_column_hints`]) plus a 1/[`EXPORT_COLUMN_HEADROOM_DIVISOR`] share
+    /// and [`EXPORT_COLUMN_HEADROOM_MIN`] entries for what live batches add before and during the
+    /// walk. Without it, a live index had always grown a little by the time the walk sized its
+    /// columns, and every column was allocated again and the first copied into it (measured:
+    /// a quarter of a 64-rank export walk's samples, docs/BENCHMARKS.md).
+    pub fn export_column_room(&self) -> (usize, usize) {
+        let (nodes, carriers) = self.export_column_hints();
+        let padded = |n: usize| {
+            n.saturating_add(n / EXPORT_COLUMN_HEADROOM_DIVISOR)
+                .saturating_add(EXPORT_COLUMN_HEADROOM_MIN)
+        };
+        (padded(nodes), padded(carriers))
+    }
+
     /// [`IndexReader::export_snapshot_with_report`] into `columns` the caller allocated (cleared
-    /// first, grown only if smaller than [`IndexReader::export_column_hints`]), so a caller can
-    /// prepare their memory while the walk fills them.
+    /// first, replaced only if smaller than [`IndexReader::export_column_hints`]: allocate them
+    /// with [`IndexReader::export_column_room`]), so a caller can prepare their memory while the
+    /// walk fills them.
     pub fn export_snapshot_into(&self, columns: SnapshotNodes) -> (IndexSnapshot, ExportReport) {
         let shared = &self.shared;
         let table: Vec<(u32, Arc<crate::index::RankShared>)> = shared
@@ -362,9 +383,16 @@ impl IndexReader {
         // column is written about twice over and copied at each step, and at 1,024 ranks the
         // carrier columns passed the old fixed cap of 50 M and doubled to room for 200 M. On a
         // host where first touches of memory are slow, that writing is most of an export's time.
+        // Columns the caller sized with headroom keep their memory: only what the index holds
+        // now must fit, and a column short of it is replaced by one with the headroom.
         let (nodes_hint, carriers_hint) = self.export_column_hints();
         let mut out = columns;
-        out.clear_with_room(nodes_hint, carriers_hint);
+        if !out.has_room(nodes_hint, carriers_hint) {
+            let (nodes_room, carriers_room) = self.export_column_room();
+            out.clear_with_room(nodes_room, carriers_room);
+        } else {
+            out.clear_with_room(nodes_hint, carriers_hint);
+        }
         let mut carried_per_rank = vec![0u64; table.len()];
         let mut recs: Vec<Rec> = Vec::new();
         let mut tmp_carriers: Vec<(u32, u8, u64)> = Vec::new();

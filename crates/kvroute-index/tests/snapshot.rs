@@ -52,6 +52,48 @@ fn sample() -> IndexSnapshot {
     r.export_snapshot()
 }
 
+/// Columns sized by `export_column_room` keep their memory through the walk even when live
+/// batches grew the index between sizing and walking (a caller may have made that memory
+/// resident), and columns too small are replaced with the headroom, never grown by copying.
+#[test]
+fn an_export_fills_the_columns_it_was_given_when_the_index_grew_a_little_meanwhile() {
+    let (mut w, r) = PrefixIndex::new(cfg());
+    let a = w.add_rank(rank_ref(0));
+    let store = |w: &mut IndexWriter, seq: i64, first: u64, blocks: usize| {
+        let engines: Vec<u64> = (first..first + blocks as u64).collect();
+        let toks = tokens(first as u32, blocks, BS);
+        w.apply_batch(a, seq, &batch(vec![stored(&engines, None, toks, BS, None)]));
+    };
+    store(&mut w, 1, 1_000, 64);
+    let (nodes, carriers) = r.export_column_room();
+    let (now_nodes, now_carriers) = r.export_column_hints();
+    assert!(
+        nodes > now_nodes && carriers > now_carriers,
+        "room has headroom"
+    );
+    let columns = kvroute_wire::snapshot::SnapshotNodes::with_capacity(nodes, carriers);
+    let given = (
+        columns.parent.as_ptr(),
+        columns.carrier_engine_hash.as_ptr(),
+    );
+    // The live stream adds blocks after the columns were sized.
+    store(&mut w, 2, 5_000, 16);
+    let (snap, _) = r.export_snapshot_into(columns);
+    assert_eq!(snap.nodes.len(), 80);
+    assert_eq!(
+        (
+            snap.nodes.parent.as_ptr(),
+            snap.nodes.carrier_engine_hash.as_ptr()
+        ),
+        given,
+        "the walk filled the caller's columns"
+    );
+    // Columns with no room at all are replaced once, with the headroom.
+    let (snap, _) = r.export_snapshot_into(kvroute_wire::snapshot::SnapshotNodes::default());
+    assert_eq!(snap.nodes.len(), 80);
+    assert!(snap.nodes.parent.capacity() >= r.export_column_room().0);
+}
+
 #[test]
 fn export_lists_parents_before_children_with_engine_hashes_and_cursors() {
     let s = sample();

@@ -63,20 +63,33 @@ impl SnapshotNodes {
     }
 
     /// Empties every column and makes sure each has room for `nodes` nodes and `carriers`
-    /// carriers (a column already that large keeps its allocation).
+    /// carriers. A column already that large keeps its allocation (memory a caller may have
+    /// made resident for it); a smaller one is replaced by a new one of exactly that room, never
+    /// grown in place: growing copies the old allocation whole (the allocator does not know the
+    /// column is empty), and `reserve` would double it.
     pub fn clear_with_room(&mut self, nodes: usize, carriers: usize) {
-        self.parent.clear();
-        self.parent.reserve(nodes);
-        self.content_hash.clear();
-        self.content_hash.reserve(nodes);
-        self.carrier_end.clear();
-        self.carrier_end.reserve(nodes);
-        self.carrier_rank.clear();
-        self.carrier_rank.reserve(carriers);
-        self.carrier_tiers.clear();
-        self.carrier_tiers.reserve(carriers);
-        self.carrier_engine_hash.clear();
-        self.carrier_engine_hash.reserve(carriers);
+        fn room_for<T>(column: &mut Vec<T>, len: usize) {
+            column.clear();
+            if column.capacity() < len {
+                *column = Vec::with_capacity(len);
+            }
+        }
+        room_for(&mut self.parent, nodes);
+        room_for(&mut self.content_hash, nodes);
+        room_for(&mut self.carrier_end, nodes);
+        room_for(&mut self.carrier_rank, carriers);
+        room_for(&mut self.carrier_tiers, carriers);
+        room_for(&mut self.carrier_engine_hash, carriers);
+    }
+
+    /// True when every column has room for `nodes` nodes and `carriers` carriers.
+    pub fn has_room(&self, nodes: usize, carriers: usize) -> bool {
+        self.parent.capacity() >= nodes
+            && self.content_hash.capacity() >= nodes
+            && self.carrier_end.capacity() >= nodes
+            && self.carrier_rank.capacity() >= carriers
+            && self.carrier_tiers.capacity() >= carriers
+            && self.carrier_engine_hash.capacity() >= carriers
     }
 
     pub fn len(&self) -> usize {
@@ -115,4 +128,27 @@ pub struct IndexSnapshot {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partial_ranks: Vec<u32>,
     pub nodes: SnapshotNodes,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clearing_keeps_a_large_enough_column_and_replaces_a_short_one_with_exact_room() {
+        let mut columns = SnapshotNodes::with_capacity(100, 300);
+        columns.parent.extend([NO_PARENT, 0]);
+        columns.carrier_rank.push(7);
+        let kept = columns.parent.as_ptr();
+        columns.clear_with_room(100, 1_000);
+        assert!(columns.is_empty() && columns.carrier_rank.is_empty());
+        assert_eq!(columns.parent.as_ptr(), kept, "large enough: kept");
+        assert_eq!(
+            columns.carrier_rank.capacity(),
+            1_000,
+            "short: exact room, not doubled"
+        );
+        assert!(columns.has_room(100, 1_000));
+        assert!(!columns.has_room(101, 1_000));
+    }
 }

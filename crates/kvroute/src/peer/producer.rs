@@ -629,7 +629,9 @@ fn export_prefaulted(
     kvroute_index::ExportReport,
     prefault::PrefaultReport,
 ) {
-    let (nodes, carriers) = reader.export_column_hints();
+    // With headroom: the live stream keeps adding nodes, and columns the walk found too small
+    // would be allocated again, unprefaulted.
+    let (nodes, carriers) = reader.export_column_room();
     let columns = SnapshotNodes::with_capacity(nodes, carriers);
     let rooms = [
         Room::of(&columns.parent),
