@@ -135,8 +135,9 @@ struct ShardLayout {
     lists_per_shard: Vec<usize>,
     /// Per shard, an empty table with room for its nodes (taken by a shard that holds nothing).
     tables: Vec<HashSlots>,
-    /// Slab chunks for the nodes and the ranks' side tables, made ready on a helper thread while
-    /// the job runs (see [`crate::room`]); at most enough for every node and carrier of the plan.
+    /// Slab chunks for the nodes, carrier lists for the shared ones and the ranks' side tables,
+    /// made ready on a helper thread while the job runs (see [`crate::room`]); at most enough for
+    /// every node and carrier of the plan.
     room: Arc<GraftRoom>,
     /// The job's own columns, made and written once here, beside the layout's pass, so the
     /// writer does not take their first-touch page faults: each node's shard (the layout

@@ -416,7 +416,7 @@ pub const SLAB_CHUNK_NODES: usize = 4096;
 pub(crate) struct Slab {
     chunks: Vec<Vec<Node>>,
     len: usize,
-    /// Empty chunks made ready elsewhere ([`crate::room::NodeRoom`]), taken before allocating.
+    /// Empty chunks made ready elsewhere ([`crate::room::GraftRoom`]), taken before allocating.
     spare: Vec<Vec<Node>>,
 }
 
@@ -2213,7 +2213,7 @@ const _: () = assert!(std::mem::size_of::<Node>() == 32);
 mod tests {
     use super::*;
 
-    /// A shard that grows into a chunk made ready elsewhere ([`crate::room::NodeRoom`]) holds
+    /// A shard that grows into a chunk made ready elsewhere ([`crate::room::GraftRoom`]) holds
     /// its nodes there, counts the chunk as memory while it waits, and still finds every node.
     #[test]
     fn a_slab_grows_into_a_given_chunk_and_counts_it_while_spare() {

@@ -5,8 +5,9 @@
 //! a time on transparent huge pages). On this project's machines, in the host's slow phases,
 //! those faults were about 40 % of the pump's time during the graft of `time_to_warm`
 //! (docs/BENCHMARKS.md): where the shards' node slabs grew, one chunk of [`SLAB_CHUNK_NODES`]
-//! nodes at a time, and where each rank's side map was built, both allocated and first written
-//! on the pump while the second core was partly idle.
+//! nodes at a time, where a node several ranks share got its carrier list, and where each rank's
+//! side map was built, all allocated and first written on the pump while the second core was
+//! partly idle.
 //!
 //! A [`GraftRoom`] moves that work off the writer. The plan, once laid out for an index
 //! ([`crate::GraftPlan::lay_out_for`]), knows how many nodes each shard receives, which nodes
@@ -27,14 +28,13 @@
 //! dropped, which a finished or abandoned graft does), and whatever is still waiting is freed
 //! with the room.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::time::Instant;
 
 use hashbrown::HashTable;
 use parking_lot::Mutex;
-
-use std::collections::VecDeque;
 
 use crate::index::{CarrierList, Node, SLAB_CHUNK_NODES, Slab};
 
@@ -69,7 +69,7 @@ pub struct GraftRoomReport {
     pub chunks_made: usize,
     pub lists_made: usize,
     pub side_tables_made: usize,
-    /// Bytes of the chunks and tables made.
+    /// Bytes of the chunks, lists and tables made.
     pub bytes_made: usize,
     /// The graft was over (or dropped) before the helper had made everything it could.
     pub stopped_early: bool,
