@@ -167,8 +167,11 @@ impl GraftRoom {
             let table = touched_side_table(entries);
             report.bytes_made += table.allocation_size();
             report.side_tables_made += 1;
+            // Checked again under the lock the writer takes to pass ranks: a table for a rank
+            // it passed meanwhile is dropped here, not left waiting until the room goes.
+            let mut sides = self.sides.lock();
             if rank >= self.sides_from.load(Relaxed) {
-                self.sides.lock()[rank] = Some(table);
+                sides[rank] = Some(table);
             }
         }
         report.stopped_early =
@@ -235,14 +238,14 @@ impl GraftRoom {
     /// Snapshot rank `rank`'s side table, if it is ready; from now on the helper makes none for
     /// this rank or an earlier one (the writer files ranks in order).
     pub(crate) fn take_side_table(&self, rank: usize) -> Option<HashTable<u32>> {
-        self.sides_from.fetch_max(rank + 1, Relaxed);
         let mut sides = self.sides.lock();
-        let table = sides.get_mut(rank).and_then(Option::take);
-        // Tables of ranks the writer went past (it skips ranks with nothing to file) are freed.
-        for passed in sides.iter_mut().take(rank) {
+        let passed_from = self.sides_from.fetch_max(rank + 1, Relaxed);
+        // Tables of ranks the writer went past since its last call (it skips ranks with nothing
+        // to file) are freed; earlier ones were freed by earlier calls.
+        for passed in sides.iter_mut().take(rank).skip(passed_from) {
             *passed = None;
         }
-        table
+        sides.get_mut(rank).and_then(Option::take)
     }
 
     /// Chunks ready and not yet taken.

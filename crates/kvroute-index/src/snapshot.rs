@@ -387,12 +387,12 @@ impl IndexReader {
         // now must fit, and a column short of it is replaced by one with the headroom.
         let (nodes_hint, carriers_hint) = self.export_column_hints();
         let mut out = columns;
-        if !out.has_room(nodes_hint, carriers_hint) {
-            let (nodes_room, carriers_room) = self.export_column_room();
-            out.clear_with_room(nodes_room, carriers_room);
+        let (nodes_room, carriers_room) = if out.has_room(nodes_hint, carriers_hint) {
+            (nodes_hint, carriers_hint)
         } else {
-            out.clear_with_room(nodes_hint, carriers_hint);
-        }
+            self.export_column_room()
+        };
+        out.clear_with_room(nodes_room, carriers_room);
         let mut carried_per_rank = vec![0u64; table.len()];
         let mut recs: Vec<Rec> = Vec::new();
         let mut tmp_carriers: Vec<(u32, u8, u64)> = Vec::new();
