@@ -33,8 +33,32 @@ pub const ROUTER_EXIT_LIMIT_MS: u64 = 15_000;
 /// and a probe of a busy engine on a loaded 2-core machine must not eject it mid-scenario.
 pub const HEALTH_INTERVAL_MS: u64 = 60_000;
 
-/// A port that was free a moment ago (bind to port 0, read, release).
+/// Lowest port [`free_port`] picks.
+pub const FREE_PORT_LOW: u16 = 10_000;
+/// [`free_port`] picks below this, the start of Linux's ephemeral range: a port the OS hands out
+/// for port 0 is also one it hands to the next outgoing connection, so a port picked there for a
+/// replica started later (a static peer list names every replica before any starts) was taken in
+/// between by another test's connection often enough to fail CI runs. Below it only listeners
+/// hold ports (the simulator probes there for the same reason: `kvroute_sim::publish`).
+pub const FREE_PORT_HIGH: u16 = 32_768;
+/// Random ports tried before letting the OS choose one.
+pub const FREE_PORT_ATTEMPTS_MAX: usize = 64;
+
+/// A port that was free a moment ago (bound and released), picked at random below the ephemeral
+/// range; the OS's own choice when none there was free.
 pub fn free_port() -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    for _ in 0..FREE_PORT_ATTEMPTS_MAX {
+        // Each `RandomState` is freshly keyed: a random number without a dependency.
+        let random = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        let span = u64::from(FREE_PORT_HIGH - FREE_PORT_LOW);
+        let port = FREE_PORT_LOW + (random % span) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -477,5 +501,24 @@ impl RouterProcess {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_bindable_and_below_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..8).map(|_| free_port()).collect();
+        for &port in &ports {
+            assert!(
+                (FREE_PORT_LOW..FREE_PORT_HIGH).contains(&port),
+                "{port} outside {FREE_PORT_LOW}..{FREE_PORT_HIGH}: {ports:?}"
+            );
+            std::net::TcpListener::bind(("127.0.0.1", port)).expect("still free");
+        }
+        let distinct: std::collections::HashSet<_> = ports.iter().collect();
+        assert!(distinct.len() > 1, "picked at random: {ports:?}");
     }
 }
