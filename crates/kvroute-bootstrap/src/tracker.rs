@@ -314,7 +314,8 @@ impl<K: Eq + Hash + Clone> BootstrapTracker<K> {
     /// Settles a rank with `outcome`. From `Pending` every outcome but `gap` is allowed (a gap
     /// goes through [`BootstrapTracker::on_gap`], which owns the retry budget). From `Grafted`
     /// only what can follow a graft: the proof's `warm` / `warm_unwitnessed` / `warm_partial`, a
-    /// restarted engine's `from_origin`, or `publisher_reset`.
+    /// partial graft replaced by the engine's whole stream (`from_engine_replay`), a restarted
+    /// engine's `from_origin`, or `publisher_reset`.
     pub fn settle(
         &mut self,
         key: &K,
@@ -329,6 +330,7 @@ impl<K: Eq + Hash + Clone> BootstrapTracker<K> {
                 Outcome::Warm
                     | Outcome::WarmUnwitnessed
                     | Outcome::WarmPartial
+                    | Outcome::FromEngineReplay
                     | Outcome::FromOrigin
                     | Outcome::PublisherReset
             ),
@@ -549,11 +551,12 @@ mod tests {
     }
 
     #[test]
-    fn a_graft_with_nothing_held_is_recovered_and_settles_on_its_proof() {
+    fn a_graft_with_nothing_held_is_recovered_and_settles_on_its_proof_or_the_engines_rebuild() {
         for proof in [
             Outcome::Warm,
             Outcome::WarmUnwitnessed,
             Outcome::WarmPartial,
+            Outcome::FromEngineReplay,
         ] {
             let mut t = Tracker::new();
             let inc = t.register(key(0));
@@ -576,7 +579,6 @@ mod tests {
             (Outcome::Empty, false),
             (Outcome::Overflow, false),
             (Outcome::Rejected, false),
-            (Outcome::FromEngineReplay, false),
             (Outcome::Gap, false),
         ] {
             let mut t = Tracker::new();

@@ -11,7 +11,9 @@
 //! point it joined: its snapshot lists that rank in `partial_ranks`, so the booting sibling
 //! settles it `warm_partial`, never `warm`, and lists it partial in turn (blindness is not
 //! laundered into a whole history by one graft). A replica that saw both streams from seq 0
-//! outranks the blind one: a sibling given both settles both ranks `warm` from it.
+//! outranks the blind one: a sibling given both settles both ranks `warm` from it. And where
+//! the engine's buffer still reaches seq 0, the engine outranks the blind sibling: the partial
+//! graft is replaced by the engine's whole stream (`from_engine_replay`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -159,4 +161,92 @@ async fn a_replica_that_joined_mid_stream_never_names_a_quiet_rank_empty() {
     fleet.routers.push(blind);
     fleet.routers.push(booting);
     fleet.routers.push(choosing);
+}
+
+/// The same blind sibling, but the engine's replay buffer still reaches back to its first batch:
+/// the booting replica grafts the blind view (the only one on offer), proves the splice, and
+/// then asks the engine for its stream from seq 0, which is the rank's whole history where the
+/// graft is only what the blind sibling saw. Both ranks settle `from_engine_replay`, the booting
+/// replica's index equals the engine's cache exactly (the blind sibling's does not), and what it
+/// hands on is whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partial_graft_gives_way_to_the_engines_stream_while_its_buffer_reaches_seq_zero() {
+    let _serial = scenario_lock().await;
+    let mut fleet = Fleet::new();
+    let sim = Arc::new(SimProcess::start(SimOptions::default()).await);
+    fleet.sims.push(sim.clone());
+    let workers = fleet.worker_specs();
+    for i in 0..EARLY_BATCHES {
+        sim.store(0, 0, &[chain(i as u64, 2, 16)]).await;
+        sim.store(0, 1, &[chain(100 + i as u64, 2, 16)]).await;
+    }
+    let blind =
+        RouterProcess::start(RouterOptions::new("blind", &workers, BOOTSTRAP_TIMEOUT_MS)).await;
+    blind.wait_ready(READY_LIMIT_MS).await;
+    blind.wait_subscribed(2, READY_LIMIT_MS).await;
+    let mut last_seq = 0;
+    for i in 0..4u64 {
+        last_seq = sim.store(0, 0, &[chain(200 + i, 9, 16)]).await;
+        sim.store(0, 1, &[chain(300 + i, 9, 16)]).await;
+    }
+    let mut probe = || async {
+        let cursors = blind.cursors().await?;
+        if cursors.len() == 2 && cursors.values().all(|&c| c == last_seq) {
+            Ok(())
+        } else {
+            Err(format!(
+                "cursors {cursors:?}, want both ranks at {last_seq}"
+            ))
+        }
+    };
+    kvroute_fleet::wait::try_wait_until(READY_LIMIT_MS, &mut probe)
+        .await
+        .unwrap_or_else(|seen| panic!("blind never applied both ranks' batches: {seen}"));
+    let blind_snapshot = blind
+        .snapshot()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("the blind replica has cursors, so it serves a snapshot");
+    assert_eq!(
+        blind_snapshot.partial_ranks.len(),
+        2,
+        "the blind replica saw neither rank from seq 0: {:?}",
+        blind_snapshot.partial_ranks
+    );
+
+    let booting = RouterProcess::start(
+        RouterOptions::new("booting", &workers, BOOTSTRAP_TIMEOUT_MS)
+            .with_peers(vec![blind.internal.clone()]),
+    )
+    .await;
+    let ranks = booting.wait_settled(2, SETTLE_MAX_MS).await;
+    for r in &ranks {
+        assert_eq!(
+            r.outcome.as_deref(),
+            Some("from_engine_replay"),
+            "dp{}: the engine's whole stream replaces the blind sibling's partial view: \
+             {ranks:?}\n{}",
+            r.dp_rank,
+            booting.log_tail()
+        );
+    }
+    assert!(
+        booting.log_tail().contains("graft completed"),
+        "the partial view was grafted before the engine replaced it\n{}",
+        booting.log_tail()
+    );
+    let handed_on = booting
+        .snapshot()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .expect("the booting replica has cursors");
+    assert!(
+        handed_on.partial_ranks.is_empty(),
+        "the rebuilt ranks are handed on whole: {:?}",
+        handed_on.partial_ranks
+    );
+    // Only the booting replica is compared: the blind one is meant to differ.
+    fleet.routers.push(booting);
+    fleet.assert_views_equal_truth(None).await;
+    fleet.routers.push(blind);
 }

@@ -302,12 +302,17 @@ pub enum Phase<B> {
         /// After a gap, the one retry demands a snapshot whose cursor reaches this seq.
         min_cursor: Option<i64>,
     },
-    /// Bootstrap without a snapshot: the engine's replay from seq 0 is asked; live batches held.
+    /// The engine's replay from seq 0 is asked; live batches held. Either there is no snapshot
+    /// (`over_graft` is `None`), or a partial graft's splice was just proven and the engine may
+    /// still hold the rank's whole stream, which beats the producer's partial view.
     Rebuilding {
         generation: u64,
         held: HeldBatches<B>,
         /// The outcome of the release if the replay does not reach back to seq 0.
         fallback: BootstrapOutcome,
+        /// The proven partial graft in place, by its watermark: a replay that reaches seq 0
+        /// replaces it, any other answer leaves it (and `fallback` is `warm_partial`).
+        over_graft: Option<Witness>,
     },
     /// Grafted at `watermark`, and a gap separates it from the first held batch: the engine's
     /// replay is asked for the missing batches.
@@ -727,6 +732,15 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         if !matches!(self.phase, Phase::Holding { .. } | Phase::Rebuilding { .. }) {
             return false;
         }
+        // A rebuild over a proven graft is past the siblings' say: the graft stands as proven.
+        let outcome = match self.phase {
+            Phase::Rebuilding {
+                fallback,
+                over_graft: Some(_),
+                ..
+            } => fallback,
+            _ => outcome,
+        };
         let held = self.take_held();
         self.finish(outcome, held, out);
         true
@@ -755,8 +769,33 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
             generation,
             held,
             fallback,
+            over_graft: None,
         };
         true
+    }
+
+    /// A partial graft's splice is proven: before settling `warm_partial`, ask the engine for its
+    /// stream from seq 0. A young engine still holds it all, and its replay is the rank's exact
+    /// history where the graft is only the producer's view of it (the producer joined mid-way).
+    fn start_rebuild_over_graft(
+        &mut self,
+        watermark: Witness,
+        held: HeldBatches<B>,
+        out: &mut Vec<Action<B>>,
+    ) {
+        let generation = self.mint_generation();
+        self.counters.replays_started += 1;
+        out.push(Action::StartReplay {
+            generation,
+            from_seq: 0,
+            stop_before: held.first_seq(),
+        });
+        self.phase = Phase::Rebuilding {
+            generation,
+            held,
+            fallback: BootstrapOutcome::WarmPartial,
+            over_graft: Some(watermark),
+        };
     }
 
     /// The siblings' answer to probe `generation`: the highest cursor any of them reports for this
@@ -798,7 +837,15 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
     }
 
     fn on_live_batch_bootstrapping(&mut self, seq: i64, batch: B, out: &mut Vec<Action<B>>) {
-        let grafted = matches!(self.phase, Phase::Healing { .. } | Phase::Proving { .. });
+        let grafted = matches!(
+            self.phase,
+            Phase::Healing { .. }
+                | Phase::Proving { .. }
+                | Phase::Rebuilding {
+                    over_graft: Some(_),
+                    ..
+                }
+        );
         let went_back = self.last_live_seq.is_some_and(|last| seq < last);
         // With a graft in place the cursor is the snapshot's: a batch 0 past it, or another batch
         // at it, comes from a publisher the snapshot does not describe.
@@ -950,8 +997,12 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
 
     /// The engine's answer to the rebuild replay from seq 0.
     fn on_rebuild_answer(&mut self, answer: ReplayAnswer<B>, out: &mut Vec<Action<B>>) {
-        let Phase::Rebuilding { held, fallback, .. } =
-            std::mem::replace(&mut self.phase, Phase::Live)
+        let Phase::Rebuilding {
+            held,
+            fallback,
+            over_graft,
+            ..
+        } = std::mem::replace(&mut self.phase, Phase::Live)
         else {
             return;
         };
@@ -967,6 +1018,24 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         // nothing held, an empty answer is an engine that has published nothing yet.
         let contiguous = prefix.iter().zip(0..).all(|((s, _), want)| *s == want);
         let reaches_held = first_held.is_none_or(|f| prefix.len() as i64 == f);
+        if let Some((watermark_seq, _)) = over_graft {
+            // The replay replaces the graft only if it is the whole stream through the graft's
+            // watermark; anything less leaves the proven graft, which is at least the
+            // producer's view.
+            let reaches_watermark = prefix.len() as i64 > watermark_seq;
+            if !(contiguous && reaches_held && reaches_watermark) {
+                return self.finish(fallback, held, out);
+            }
+            out.push(Action::ClearRank);
+            self.cursor = Some(-1);
+            self.cursor_ts = None;
+            self.graft_history = GraftHistory::Complete;
+            let held = HeldBatches {
+                bytes: 0,
+                batches: prefix.into_iter().chain(held.batches).collect(),
+            };
+            return self.finish(BootstrapOutcome::FromEngineReplay, held, out);
+        }
         // The engine is the witness: a replay from seq 0 holding nothing, with nothing held
         // live, is a publisher that has published nothing, so the rank holds nothing (`empty`,
         // whatever the siblings said). When the siblings named it empty, batches it cannot
@@ -1081,6 +1150,16 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
     }
 
     fn overflow(&mut self, out: &mut Vec<Action<B>>) {
+        // Over a proven graft, the held batches follow its watermark: they apply on it as is.
+        if let Phase::Rebuilding {
+            fallback,
+            over_graft: Some(_),
+            ..
+        } = self.phase
+        {
+            let held = self.take_held();
+            return self.finish(fallback, held, out);
+        }
         if matches!(self.phase, Phase::Healing { .. }) {
             out.push(Action::DiscardGraft);
             self.history_complete = false;
@@ -1135,13 +1214,20 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         out: &mut Vec<Action<B>>,
     ) {
         self.phase = Phase::Live;
-        // A proven splice proves only what the grafted snapshot knew.
-        let outcome =
-            if outcome == BootstrapOutcome::Warm && self.graft_history == GraftHistory::Partial {
-                BootstrapOutcome::WarmPartial
-            } else {
-                outcome
-            };
+        // A proven splice proves only what the grafted snapshot knew; the engine may know more.
+        let partial_splice =
+            outcome == BootstrapOutcome::Warm && self.graft_history == GraftHistory::Partial;
+        if partial_splice
+            && self.has_replay
+            && let (Some(seq), Some(ts)) = (self.cursor, self.cursor_ts)
+        {
+            return self.start_rebuild_over_graft((seq, ts), held, out);
+        }
+        let outcome = if partial_splice {
+            BootstrapOutcome::WarmPartial
+        } else {
+            outcome
+        };
         self.record_outcome(outcome, out);
         // Outcomes that prove the index reaches back to the publisher's origin; a batch lost
         // while the held ones apply below takes that back. `warm_unwitnessed` and `warm_partial`

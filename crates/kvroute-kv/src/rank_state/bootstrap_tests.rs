@@ -1045,6 +1045,168 @@ fn a_proven_splice_of_a_partial_graft_settles_warm_partial_on_the_held_and_the_d
     );
 }
 
+fn replay_start(out: &Out) -> (u64, i64, Option<i64>) {
+    out.iter()
+        .find_map(|a| match a {
+            Action::StartReplay {
+                generation,
+                from_seq,
+                stop_before,
+            } => Some((*generation, *from_seq, *stop_before)),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("a StartReplay action in {out:?}"))
+}
+
+/// Held 6, partial graft at 5, with a replay socket: the proven splice asks the engine for its
+/// stream from seq 0 before it settles.
+fn partial_splice_awaiting_rebuild() -> (M, u64) {
+    let mut m = boot(true);
+    hold(&mut m, &[(6, "b6")]);
+    let out = partial_graft(&mut m, 5, "b5");
+    assert_eq!(
+        outcomes(&out),
+        vec![],
+        "not settled before the engine answers"
+    );
+    let (generation, from_seq, stop_before) = replay_start(&out);
+    assert_eq!((from_seq, stop_before), (0, Some(6)));
+    assert!(m.is_bootstrapping());
+    (m, generation)
+}
+
+#[test]
+fn a_partial_splice_is_rebuilt_from_the_engine_when_its_replay_reaches_seq_zero() {
+    let (mut m, generation) = partial_splice_awaiting_rebuild();
+    let out = replay(
+        &mut m,
+        generation,
+        vec![
+            (0, "b0"),
+            (1, "b1"),
+            (2, "b2"),
+            (3, "b3"),
+            (4, "b4"),
+            (5, "b5"),
+        ],
+    );
+    let clear = out.iter().position(|a| matches!(a, Action::ClearRank));
+    let first_apply = out.iter().position(|a| matches!(a, Action::Apply { .. }));
+    assert!(
+        clear.is_some() && clear < first_apply,
+        "the producer's partial view is cleared before the engine's stream applies: {out:?}"
+    );
+    assert_eq!(applied(&out), vec![0, 1, 2, 3, 4, 5, 6]);
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::FromEngineReplay]);
+    assert!(
+        m.history_complete(),
+        "the engine's whole stream is the history"
+    );
+    assert_eq!(m.cursor(), Some(6));
+}
+
+#[test]
+fn a_partial_splice_keeps_its_graft_as_warm_partial_when_the_engine_buffer_was_trimmed() {
+    let (mut m, generation) = partial_splice_awaiting_rebuild();
+    let out = replay(&mut m, generation, vec![(3, "b3"), (4, "b4"), (5, "b5")]);
+    assert!(
+        !out.iter()
+            .any(|a| matches!(a, Action::ClearRank | Action::DiscardGraft))
+    );
+    assert_eq!(
+        applied(&out),
+        vec![6],
+        "the held batch applies on the graft"
+    );
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::WarmPartial]);
+    assert!(!m.history_complete());
+
+    // An engine that cannot answer leaves the graft too.
+    let (mut m, generation) = partial_splice_awaiting_rebuild();
+    let mut out = Vec::new();
+    m.on_replay_answer(generation, ReplayAnswer::Failed, &mut out);
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::WarmPartial]);
+    assert_eq!(applied(&out), vec![6]);
+}
+
+#[test]
+fn a_rebuild_over_a_partial_graft_must_reach_the_watermark_to_replace_it() {
+    // Nothing held: the deferred proof (replay from the watermark) proves the splice, then the
+    // rebuild from 0 is asked with no stop.
+    let mut m = boot(true);
+    let out = partial_graft(&mut m, 5, "b5");
+    let (proof, from_seq, _) = replay_start(&out);
+    assert_eq!(from_seq, 5);
+    let out = replay(&mut m, proof, vec![(5, "b5")]);
+    assert_eq!(outcomes(&out), vec![]);
+    let (rebuild, from_seq, stop_before) = replay_start(&out);
+    assert_eq!((from_seq, stop_before), (0, None));
+    // Contiguous from 0 but short of the watermark: the engine's buffer is not the stream the
+    // graft's cursor describes; the graft stands.
+    let out = replay(&mut m, rebuild, vec![(0, "b0"), (1, "b1"), (2, "b2")]);
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::WarmPartial]);
+    assert!(!out.iter().any(|a| matches!(a, Action::ClearRank)));
+    assert_eq!(m.cursor(), Some(5));
+}
+
+#[test]
+fn live_batches_during_a_rebuild_over_a_graft_are_held_and_follow_the_replay() {
+    let mut m = boot(true);
+    let out = partial_graft(&mut m, 2, "b2");
+    let (proof, ..) = replay_start(&out);
+    let out = replay(&mut m, proof, vec![(2, "b2")]);
+    let (rebuild, ..) = replay_start(&out);
+    hold(&mut m, &[(3, "b3"), (4, "b4")]);
+    let out = replay(
+        &mut m,
+        rebuild,
+        vec![(0, "b0"), (1, "b1"), (2, "b2"), (3, "b3")],
+    );
+    assert_eq!(
+        applied(&out),
+        vec![0, 1, 2, 3, 4],
+        "each batch once, in order"
+    );
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::FromEngineReplay]);
+}
+
+#[test]
+fn a_release_or_overflow_during_a_rebuild_over_a_graft_settles_the_proven_graft() {
+    let (mut m, _) = partial_splice_awaiting_rebuild();
+    let mut out = Vec::new();
+    assert!(m.on_release(BootstrapOutcome::Abandoned, &mut out));
+    assert_eq!(
+        outcomes(&out),
+        vec![BootstrapOutcome::WarmPartial],
+        "the caller's outcome does not override a proven splice"
+    );
+    assert_eq!(applied(&out), vec![6]);
+
+    let (mut m, _) = partial_splice_awaiting_rebuild();
+    let mut out = Vec::new();
+    for seq in 7..12 {
+        out.extend(live(&mut m, seq, "heavy"));
+    }
+    assert!(
+        !out.iter().any(|a| matches!(a, Action::DiscardGraft)),
+        "an overflow keeps the proven graft: {:?}",
+        outcomes(&out)
+    );
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::WarmPartial]);
+    assert!(!m.is_bootstrapping());
+}
+
+#[test]
+fn a_publisher_restart_during_a_rebuild_over_a_graft_clears_the_graft() {
+    let (mut m, generation) = partial_splice_awaiting_rebuild();
+    let out = live(&mut m, 0, "new0");
+    assert!(out.iter().any(|a| matches!(a, Action::ClearRank)));
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::FromOrigin]);
+    // The rebuild's late answer is for a phase the rank has left.
+    let out = replay(&mut m, generation, vec![(0, "b0")]);
+    assert_eq!(out, vec![]);
+}
+
 #[test]
 fn a_gap_retry_with_a_complete_snapshot_settles_warm_after_a_partial_first_graft() {
     let mut m = boot(false);
