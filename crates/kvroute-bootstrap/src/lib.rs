@@ -10,25 +10,23 @@
 //! * [`vet`]: the only bridge from a sibling's response bytes to a [`vet::VettedSnapshot`];
 //!   every refusal is a typed [`vet::Rejection`], classed permanent or transient, and a rank is
 //!   never taken as covered on the strength of silence.
-//! * [`tracker`]: one entry per rank, `Pending -> Recovered | Failed`, with an incarnation per
-//!   registration so a verdict about a removed-and-re-added worker is ignored.
+//! * [`outcome`]: how a rank's bootstrap ended (the project's one outcome type; the transitions
+//!   to it are `kvroute-kv`'s rank machine), and the incarnation that names one registration of
+//!   a rank, so a verdict about a removed-and-re-added worker is ignored.
 //! * [`sweep`]: the passes over siblings (sit-outs, freshness floors, self exclusion), the
 //!   verdicts, the coordinator that runs one fleet-wide sweep at a time and releases every held
 //!   rank exactly once, the per-fetch timeout math and the `/readyz` rule.
 
+pub mod outcome;
 pub mod sweep;
-pub mod tracker;
 pub mod vet;
 
+pub use outcome::{Incarnation, Outcome};
 pub use sweep::{
     Admission, Coordinator, Delivery, Disposition, ExportStamp, FetchOrder, FetchResult,
     FetchTimeout, FetchTimeoutWarning, LateJoin, Obligation, PeerBook, PeerView, Progress,
     ReadinessHold, ReadinessInputs, ReadinessLatch, Release, Sweep, Tick, Ticket, Verdict,
     VerdictKind, fetch_timeout, readiness_hold,
-};
-pub use tracker::{
-    BootstrapTracker, GapDecision, Ignored, Incarnation, Outcome, Phase, RankState, RankStatus,
-    TrackerCounts,
 };
 pub use vet::{
     BodyEncoding, BodyMedia, Coverage, Expectations, Rejection, VettedSnapshot, decode_stream, vet,

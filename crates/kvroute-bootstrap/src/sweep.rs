@@ -41,7 +41,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use kvroute_index::RankId;
 use thiserror::Error;
 
-use crate::tracker::{Incarnation, Outcome};
+use crate::outcome::{Incarnation, Outcome};
 use crate::vet::{Coverage, Rejection, VettedSnapshot};
 
 /// Time between the starts of two passes over the siblings.

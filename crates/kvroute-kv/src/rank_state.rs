@@ -121,10 +121,10 @@ pub const ORIGIN_REPLAY_FIRST_SEQ_MAX: i64 = 16;
 /// `warm_unwitnessed`; bounded so a replica alone in its fleet settles instead of probing forever.
 pub const SPLICE_PROBE_ROUNDS_MAX: u32 = 3;
 
-/// How a rank's bootstrap ended: the one outcome type of the project (the tracker's, in the pure
+/// How a rank's bootstrap ended: the one outcome type of the project (defined in the pure
 /// `kvroute-bootstrap` crate). Some are decided by this machine (the splice proofs, overflow,
 /// restarts); the others are the caller's reason for a release without a graft.
-pub use kvroute_bootstrap::tracker::Outcome as BootstrapOutcome;
+pub use kvroute_bootstrap::outcome::Outcome as BootstrapOutcome;
 
 /// Batches held by a bootstrapping rank, ascending by seq, with their [`HeldCost`] total.
 #[derive(Debug, Clone, PartialEq)]
