@@ -204,11 +204,45 @@ impl GraftPlan {
         })
     }
 
+    /// [`GraftPlan::new`] then [`GraftPlan::lay_out_for`] `index`, with the job's zeroed
+    /// columns written on a second thread from the start: their sizes are the snapshot's, known
+    /// before it is checked, so their page faults overlap the validation and the engine-hash
+    /// check instead of the short layout walk (measured at 64 ranks: the layout waited ~90 ms
+    /// for them, a third of the plan). Columns whose sizes `keep` changed are dropped and the
+    /// job allocates its own.
+    pub fn new_laid_out(
+        snapshot: IndexSnapshot,
+        block_size: u32,
+        keep: impl Fn(&RankRef) -> bool,
+        index: &IndexReader,
+    ) -> Result<GraftPlan, GraftError> {
+        let nodes = snapshot.nodes.len();
+        let carriers = snapshot.nodes.carrier_rank.len();
+        std::thread::scope(|scope| {
+            let zeroed = spawn_job_columns(scope, nodes, carriers);
+            let mut plan = GraftPlan::new(snapshot, block_size, keep)?;
+            let zeroed = zeroed
+                .and_then(|h| h.join().ok())
+                .filter(|(placed, bucket_node)| {
+                    placed.len() == plan.snapshot.nodes.len()
+                        && bucket_node.len() == plan.rank_engines.len()
+                });
+            plan.lay_out_with(index, zeroed);
+            Ok(plan)
+        })
+    }
+
     /// Computes where the plan's nodes land in `index`'s shards and builds each shard's empty
     /// table of that size (see [`ShardLayout`]). Linear in the snapshot; meant to run off the
     /// writer, like [`GraftPlan::new`]. A plan laid out for another index still grafts there,
     /// with evenly shared sizing.
     pub fn lay_out_for(&mut self, index: &IndexReader) {
+        self.lay_out_with(index, None);
+    }
+
+    /// [`GraftPlan::lay_out_for`] with the job's zeroed columns when they were made already
+    /// (else they are written on a second thread during the layout walk).
+    fn lay_out_with(&mut self, index: &IndexReader, made: Option<(Vec<u32>, Vec<u32>)>) {
         let shared = &index.shared;
         let n = &self.snapshot.nodes;
         let shards = shared.shards.len();
@@ -219,14 +253,10 @@ impl GraftPlan {
         let (shard_of, zeroed) = std::thread::scope(|scope| {
             // The job's zeroed columns are written on a second thread while this one walks the
             // nodes: their page faults then overlap the walk instead of following it.
-            let zeroed = std::thread::Builder::new()
-                .name("kvroute-graft-columns".into())
-                .spawn_scoped(scope, || {
-                    (
-                        written_zeros::<u32>(n.len()),
-                        written_zeros::<u32>(carriers),
-                    )
-                });
+            let making = match made {
+                Some(_) => None,
+                None => spawn_job_columns(scope, n.len(), carriers),
+            };
             // Written whole by the loop below.
             let mut shard_of = vec![0u8; n.len()];
             let mut carriers_before = 0u32;
@@ -243,7 +273,7 @@ impl GraftPlan {
                 carriers_before = n.carrier_end[i];
             }
             // No thread to spare: the job allocates its own columns, as without a layout.
-            let zeroed = zeroed.ok().and_then(|h| h.join().ok());
+            let zeroed = made.or_else(|| making.and_then(|h| h.join().ok()));
             (shard_of, zeroed)
         });
         let job_columns = zeroed.map(|(placed, bucket_node)| JobColumns {
@@ -291,6 +321,18 @@ impl GraftPlan {
         &self.snapshot
     }
 
+    /// Whether the job's zeroed columns are made and sized to this plan (laid out, and a thread
+    /// could be spared to write them); otherwise the job allocates its own.
+    pub fn has_job_columns(&self) -> bool {
+        self.shard_layout.as_ref().is_some_and(|l| {
+            l.job_columns.as_ref().is_some_and(|c| {
+                c.placed.len() == self.snapshot.nodes.len()
+                    && c.bucket_node.len() == self.rank_engines.len()
+                    && c.shard_of.len() == self.snapshot.nodes.len()
+            })
+        })
+    }
+
     /// The ranks this plan grafts.
     pub fn ranks(&self) -> &[RankRef] {
         &self.snapshot.ranks
@@ -318,6 +360,21 @@ impl GraftPlan {
     }
 }
 
+/// Writes a job's zeroed columns (`placed` per node, `bucket_node` per carrier) on a thread of
+/// `scope`; `None` when no thread can be spawned (the job then allocates its own).
+fn spawn_job_columns<'scope>(
+    scope: &'scope std::thread::Scope<'scope, '_>,
+    nodes: usize,
+    carriers: usize,
+) -> Option<std::thread::ScopedJoinHandle<'scope, (Vec<u32>, Vec<u32>)>> {
+    std::thread::Builder::new()
+        .name("kvroute-graft-columns".into())
+        .spawn_scoped(scope, move || {
+            (written_zeros::<u32>(nodes), written_zeros::<u32>(carriers))
+        })
+        .ok()
+}
+
 /// A planned rank's watermark, and whether its producer's history of it is partial (it does not
 /// reach back to the publisher's origin, so a graft of it is only as complete as that view).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -333,6 +390,13 @@ struct RankEngines {
 }
 
 /// The engine hashes grouped by rank; fails on a rank carrying one engine hash twice.
+///
+/// Ranks are independent, so each group of them is gathered and checked on a thread of its own:
+/// the check is a hash-set insert per carrier (a third of a plan's time on a large snapshot), and
+/// the gathering is the first write to every page of a column as long as the snapshot's carriers
+/// (51 MB at 64 ranks x 100,000 blocks), whose page faults were the plan's longest serial stretch
+/// (measured: ~140 of ~330 ms) while it was gathered on one thread. Each group reads the whole
+/// carrier columns and writes only its own ranks' region.
 fn check_engine_hashes(s: &IndexSnapshot) -> Result<RankEngines, GraftError> {
     let n = &s.nodes;
     let ranks = s.ranks.len();
@@ -343,24 +407,29 @@ fn check_engine_hashes(s: &IndexSnapshot) -> Result<RankEngines, GraftError> {
     for r in 0..ranks {
         start[r + 1] += start[r];
     }
-    let mut fill = start.clone();
     let mut engines = vec![0u64; n.carrier_rank.len()];
-    for (&r, &e) in n.carrier_rank.iter().zip(&n.carrier_engine_hash) {
-        engines[fill[r as usize]] = e;
-        fill[r as usize] += 1;
-    }
-    // Ranks are checked independently, so groups of them are checked at once (the check is a
-    // hash-set insert per carrier, a third of a plan's time on a large snapshot).
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(GRAFT_PLAN_THREADS_MAX)
         .min(ranks)
         .max(1);
     let group = ranks.div_ceil(threads).max(1);
-    let first_duplicate = |lo: usize, hi: usize| -> Option<(usize, u64)> {
+    let start_ref = &start;
+    // Gathers ranks `lo..hi` into `region` (their slots of `engines`), then returns the first
+    // engine hash one of them carries twice.
+    let gather_and_check = |lo: usize, hi: usize, region: &mut [u64]| -> Option<(usize, u64)> {
+        let base = start_ref[lo];
+        let mut fill: Vec<usize> = start_ref[lo..hi].iter().map(|&at| at - base).collect();
+        for (&r, &e) in n.carrier_rank.iter().zip(&n.carrier_engine_hash) {
+            let r = r as usize;
+            if (lo..hi).contains(&r) {
+                region[fill[r - lo]] = e;
+                fill[r - lo] += 1;
+            }
+        }
         let mut seen: HashSet<u64> = HashSet::new();
         for r in lo..hi {
-            let mine = &engines[start[r]..start[r + 1]];
+            let mine = &region[start_ref[r] - base..start_ref[r + 1] - base];
             seen.clear();
             seen.reserve(mine.len());
             if let Some(&e) = mine.iter().find(|&&e| !seen.insert(e)) {
@@ -369,25 +438,50 @@ fn check_engine_hashes(s: &IndexSnapshot) -> Result<RankEngines, GraftError> {
         }
         None
     };
-    // One group (one thread) spawns no helper: the caller checks every rank itself.
-    let duplicate = std::thread::scope(|scope| {
-        let helpers: Vec<_> = (group..ranks)
-            .step_by(group)
-            .map(|lo| {
-                let hi = (lo + group).min(ranks);
-                (lo, hi, scope.spawn(move || first_duplicate(lo, hi)))
+    let (duplicate, died) = std::thread::scope(|scope| {
+        let mut rest: &mut [u64] = &mut engines;
+        let mut groups = Vec::new();
+        for lo in (0..ranks).step_by(group) {
+            let hi = (lo + group).min(ranks);
+            let (region, tail) = std::mem::take(&mut rest).split_at_mut(start[hi] - start[lo]);
+            rest = tail;
+            groups.push((lo, hi, region));
+        }
+        let mut groups = groups.into_iter();
+        // The caller's thread takes the first group; one group spawns no helper.
+        let first = groups.next();
+        let helpers: Vec<_> = groups
+            .map(|(lo, hi, region)| {
+                (
+                    lo,
+                    hi,
+                    scope.spawn(move || gather_and_check(lo, hi, region)),
+                )
             })
             .collect();
+        let mut found = first.and_then(|(lo, hi, region)| gather_and_check(lo, hi, region));
+        let mut died = Vec::new();
         // Groups are in rank order, so the first duplicate found in group order is the lowest
         // rank's, the one a single thread would report.
-        let mut found = first_duplicate(0, group.min(ranks));
         for (lo, hi, helper) in helpers {
-            // A helper that died is checked again here: no group goes unchecked.
-            let in_group = helper.join().unwrap_or_else(|_| first_duplicate(lo, hi));
-            found = found.or(in_group);
+            match helper.join() {
+                Ok(in_group) => found = found.or(in_group),
+                Err(_) => died.push((lo, hi)),
+            }
         }
-        found
+        (found, died)
     });
+    // A helper that died left its region unfinished: it is gathered and checked again here, so
+    // no group goes unchecked. Its duplicate, if any, is reported in rank order.
+    let mut duplicate = duplicate;
+    for (lo, hi) in died {
+        let (from, to) = (start[lo], start[hi]);
+        let again = gather_and_check(lo, hi, &mut engines[from..to]);
+        duplicate = match (duplicate, again) {
+            (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
+            (a, b) => a.or(b),
+        };
+    }
     if let Some((r, e)) = duplicate {
         // The rare path: find the second carrier for the report.
         let carrier = n

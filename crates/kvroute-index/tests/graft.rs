@@ -773,6 +773,52 @@ fn a_graft_into_the_storage_its_room_made_gives_the_same_index() {
     }
 }
 
+/// A plan laid out while it is checked (`new_laid_out`: the job's columns written on another
+/// thread from the start) is the plan laid out after the check: the same index once grafted, and
+/// the job's columns made to its sizes, also when `keep` drops a rank (the columns written for
+/// the whole snapshot are then too long: they are dropped and made again during the layout,
+/// never used at the wrong size).
+#[test]
+fn a_plan_laid_out_while_it_is_checked_grafts_like_one_laid_out_after() {
+    let (src, queries) = source(37, 4, 600);
+    let snap = src.export_snapshot();
+    let (mut w0, r0, ids0) = target(4);
+    let mut after = plan_all(&snap);
+    after.lay_out_for(&r0);
+    assert!(after.has_job_columns(), "lay_out_for makes the columns");
+    graft_in_slices(&mut w0, after, &ids0, 512);
+
+    let (mut w, r, ids) = target(4);
+    let during = GraftPlan::new_laid_out(snap.clone(), BS, |_| true, &r).expect("valid");
+    assert!(during.has_job_columns(), "new_laid_out makes the columns");
+    graft_in_slices(&mut w, during, &ids, 512);
+    assert_eq!(canonical(&r, None), canonical(&r0, None));
+    assert_eq!(answers(&r, &queries), answers(&src, &queries));
+
+    let dropped = rank_ref(1);
+    let (mut wk, rk, idsk) = target(4);
+    let kept = GraftPlan::new_laid_out(snap.clone(), BS, |rr| rr != &dropped, &rk).expect("valid");
+    assert_eq!(kept.ranks().len(), 3);
+    assert!(
+        kept.has_job_columns(),
+        "columns written for four ranks' carriers are made again to three's"
+    );
+    let kept_ids: Vec<_> = [0usize, 2, 3].iter().map(|&i| idsk[i]).collect();
+    graft_in_slices(&mut wk, kept, &kept_ids, 512);
+    for i in [0u32, 2, 3] {
+        assert_eq!(
+            canonical(&rk, Some(&rank_ref(i))),
+            canonical_snapshot(&snap, Some(&rank_ref(i))),
+            "rank {i} grafted whole without the job's columns"
+        );
+    }
+    assert_eq!(
+        rk.rank_stats(idsk[1]).map(|s| s.carried_blocks),
+        Some(0),
+        "the dropped rank got nothing"
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 

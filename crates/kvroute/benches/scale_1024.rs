@@ -496,12 +496,14 @@ fn plan_and_graft(decoded: IndexSnapshot) -> Grafted {
         ..IndexConfig::new(BLOCK_SIZE)
     });
     let t = Instant::now();
-    let mut plan = GraftPlan::new(decoded, BLOCK_SIZE, |_| true).expect("the snapshot plans");
-    // As the service does; KVROUTE_SCALE_PLAN_LAYOUT=0 leaves it out, to compare with shards
-    // sized to an even share.
-    if std::env::var("KVROUTE_SCALE_PLAN_LAYOUT").as_deref() != Ok("0") {
-        plan.lay_out_for(&r2);
+    // As the service does; KVROUTE_SCALE_PLAN_LAYOUT=0 leaves the layout out, to compare with
+    // shards sized to an even share.
+    let plan = if std::env::var("KVROUTE_SCALE_PLAN_LAYOUT").as_deref() != Ok("0") {
+        GraftPlan::new_laid_out(decoded, BLOCK_SIZE, |_| true, &r2)
+    } else {
+        GraftPlan::new(decoded, BLOCK_SIZE, |_| true)
     }
+    .expect("the snapshot plans");
     let plan_s = t.elapsed().as_secs_f64();
     let pending: Vec<_> = plan
         .ranks()

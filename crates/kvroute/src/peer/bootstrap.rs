@@ -790,10 +790,7 @@ impl Task {
             // Laid out for this model's index here, off the pump, so the graft sizes each shard
             // once to what it receives.
             let plan = tokio::task::spawn_blocking(move || {
-                GraftPlan::new(snapshot, view.block_size, |_| true).map(|mut plan| {
-                    plan.lay_out_for(&view.reader);
-                    plan
-                })
+                GraftPlan::new_laid_out(snapshot, view.block_size, |_| true, &view.reader)
             })
             .await;
             stages
