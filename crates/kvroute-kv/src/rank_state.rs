@@ -1019,11 +1019,13 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         let contiguous = prefix.iter().zip(0..).all(|((s, _), want)| *s == want);
         let reaches_held = first_held.is_none_or(|f| prefix.len() as i64 == f);
         if let Some((watermark_seq, _)) = over_graft {
-            // The replay replaces the graft only if it is the whole stream through the graft's
-            // watermark; anything less leaves the proven graft, which is at least the
+            // The replay replaces the graft only if it is the whole stream through everything
+            // applied on the graft so far (its watermark, and the live batch that proved the
+            // splice when one did); anything less leaves the proven graft, which is at least the
             // producer's view.
-            let reaches_watermark = prefix.len() as i64 > watermark_seq;
-            if !(contiguous && reaches_held && reaches_watermark) {
+            let applied_through = self.cursor.unwrap_or(watermark_seq).max(watermark_seq);
+            let reaches_applied = prefix.len() as i64 > applied_through;
+            if !(contiguous && reaches_held && reaches_applied) {
                 return self.finish(fallback, held, out);
             }
             out.push(Action::ClearRank);

@@ -1171,6 +1171,70 @@ fn live_batches_during_a_rebuild_over_a_graft_are_held_and_follow_the_replay() {
 }
 
 #[test]
+fn a_partial_splice_proven_by_a_live_batch_applies_it_and_the_rebuild_applies_it_again_after_the_clear()
+ {
+    // Nothing held at the graft: the proof's replay from the watermark is asked, but the live
+    // batch 6 proves the splice first and is applied on the graft at once.
+    let mut m = boot(true);
+    let out = partial_graft(&mut m, 5, "b5");
+    let (proof, ..) = replay_start(&out);
+    let out = live(&mut m, 6, "b6");
+    assert_eq!(applied(&out), vec![6]);
+    assert_eq!(outcomes(&out), vec![]);
+    let (rebuild, from_seq, stop_before) = replay_start(&out);
+    assert_eq!((from_seq, stop_before), (0, None));
+    assert_ne!(rebuild, proof);
+    // The proof's late answer is for a phase the rank has left.
+    assert_eq!(replay(&mut m, proof, vec![(5, "b5")]), vec![]);
+    let out = replay(
+        &mut m,
+        rebuild,
+        vec![
+            (0, "b0"),
+            (1, "b1"),
+            (2, "b2"),
+            (3, "b3"),
+            (4, "b4"),
+            (5, "b5"),
+            (6, "b6"),
+        ],
+    );
+    let clear = out.iter().position(|a| matches!(a, Action::ClearRank));
+    assert_eq!(clear, Some(0), "cleared before anything applies: {out:?}");
+    assert_eq!(applied(&out), vec![0, 1, 2, 3, 4, 5, 6]);
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::FromEngineReplay]);
+    assert_eq!(m.cursor(), Some(6));
+    assert!(m.history_complete());
+
+    // An answer that stops short of the batch applied on the graft would lose it: the graft
+    // stands instead.
+    let mut m = boot(true);
+    let out = partial_graft(&mut m, 5, "b5");
+    let (proof, ..) = replay_start(&out);
+    let out = live(&mut m, 6, "b6");
+    let (rebuild, ..) = replay_start(&out);
+    assert_eq!(replay(&mut m, proof, vec![(5, "b5")]), vec![]);
+    let out = replay(
+        &mut m,
+        rebuild,
+        vec![
+            (0, "b0"),
+            (1, "b1"),
+            (2, "b2"),
+            (3, "b3"),
+            (4, "b4"),
+            (5, "b5"),
+        ],
+    );
+    assert!(
+        !out.iter().any(|a| matches!(a, Action::ClearRank)),
+        "{out:?}"
+    );
+    assert_eq!(outcomes(&out), vec![BootstrapOutcome::WarmPartial]);
+    assert_eq!(m.cursor(), Some(6));
+}
+
+#[test]
 fn a_release_or_overflow_during_a_rebuild_over_a_graft_settles_the_proven_graft() {
     let (mut m, _) = partial_splice_awaiting_rebuild();
     let mut out = Vec::new();
