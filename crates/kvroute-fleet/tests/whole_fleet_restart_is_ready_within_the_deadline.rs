@@ -2,12 +2,15 @@
 //! killed together and started together, so no replica has a warm sibling at first. Every
 //! replica must be ready by the bootstrap deadline (never held past it); ranks whose engine's
 //! replay buffer still reaches back to seq 0 come back exact (`from_engine_replay`, or `warm`
-//! from a sibling that rebuilt them that way first), ranks whose engine has trimmed its buffer
-//! come back cold: `abandoned` when no sibling could answer, `uncovered` when a sibling answered
-//! and knows nothing of them either (it is as blind to them as this replica). Never `empty`: the
-//! engine holds blocks for them, and a sibling names a rank empty only when it holds the rank's
-//! whole history. Which path a replica takes depends on which sibling answers first, so both
-//! are accepted; what is asserted is the bound and the exact views.
+//! from a sibling that rebuilt them that way first; a sibling caught mid-rebuild hands them on
+//! as partial, and the engine's replay then replaces that graft), ranks whose engine has trimmed
+//! its buffer come back cold or partial: `abandoned` when no sibling could answer, `uncovered`
+//! when a sibling answered and knows nothing of them either (it is as blind to them as this
+//! replica), `warm_partial` when a sibling had already applied what the trimmed buffer still
+//! held (it knows that tail, and says it is only a tail). Never `empty`: the engine holds blocks
+//! for them, and a sibling names a rank empty only when it holds the rank's whole history. Which
+//! path a replica takes depends on which sibling answers first, so each is accepted; what is
+//! asserted is the bound and the exact views.
 //!
 //! With `--kv-bootstrap-seed-required` the readiness rule of issue 14 decides: siblings that all
 //! answer "cold" make the sweep `fleet_cold`, a sibling that rebuilt from its engine seeds the
@@ -104,7 +107,7 @@ async fn restart_whole_fleet(seed_required: bool) {
             let want: &[&str] = if young.engines.contains(&s.url) {
                 &["from_engine_replay", "warm"]
             } else {
-                &["abandoned", "uncovered"]
+                &["abandoned", "uncovered", "warm_partial"]
             };
             assert!(
                 s.outcome.as_deref().is_some_and(|o| want.contains(&o)),
