@@ -41,7 +41,7 @@ use kvroute_index::{
 };
 use kvroute_wire::snapshot::RankRef;
 use kvroute_wire::{EventBatch, KvEvent, LoadStat};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::bootstrap::{BootstrapEvent, GraftDisposition, GraftReceipt, GraftTarget};
@@ -84,6 +84,13 @@ pub const SIDE_MAP_PREGROW_ENTRIES_MIN: usize = 16_384;
 /// separate stalls. The spacing is above one step of a 100,000-entry rank (15-35 ms measured),
 /// so the pump catches up between two steps.
 pub const SIDE_MAP_PREGROW_SPACING_MS: u64 = 50;
+
+/// Replays one model's pump has in flight at once; more wait for a permit, in the order asked.
+/// Each answer is bounded by itself ([`crate::transport::REPLAY_BATCHES_MAX`],
+/// [`crate::transport::REPLAY_TOTAL_MAX_BYTES`]); this bounds their sum, which the ranks would
+/// otherwise multiply: every rank of a restarted fleet asks its engine for its stream from seq 0
+/// at once, and so does every rank of a partial graft.
+pub const REPLAYS_IN_FLIGHT_MAX: usize = 16;
 
 /// Called with each batch the pump applies (rank, seq); benchmarks time the apply path with it.
 pub type ApplyObserver = Arc<dyn Fn(&RankKey, i64) + Send + Sync>;
@@ -239,6 +246,8 @@ pub(crate) struct Pump<S: KvSource> {
     last_pregrow: Option<Instant>,
     /// Bytes every bootstrapping rank holds together (the sum of `PumpRank::gauged.1`).
     held_bytes_total: u64,
+    /// [`REPLAYS_IN_FLIGHT_MAX`] permits; a replay task holds one until its answer is queued.
+    replay_permits: Arc<Semaphore>,
 }
 
 impl<S: KvSource> Pump<S> {
@@ -269,6 +278,7 @@ impl<S: KvSource> Pump<S> {
             unsent: VecDeque::new(),
             last_pregrow: None,
             held_bytes_total: 0,
+            replay_permits: Arc::new(Semaphore::new(REPLAYS_IN_FLIGHT_MAX)),
         }
     }
 
@@ -778,6 +788,7 @@ impl<S: KvSource> Pump<S> {
                 } => match &rank.replay_endpoint {
                     Some(endpoint) => spawn_replay(
                         self.source.clone(),
+                        self.replay_permits.clone(),
                         endpoint.clone(),
                         key.clone(),
                         rank.incarnation,
@@ -1077,6 +1088,7 @@ fn current<'a>(
 #[allow(clippy::too_many_arguments)]
 fn spawn_replay<S: KvSource>(
     source: Arc<S>,
+    permits: Arc<Semaphore>,
     endpoint: String,
     key: RankKey,
     incarnation: u64,
@@ -1088,6 +1100,12 @@ fn spawn_replay<S: KvSource>(
     cancel: CancellationToken,
 ) {
     tokio::spawn(async move {
+        // Held until the answer is in the pump's channel: the answer's memory is what it bounds.
+        // The semaphore is never closed; without a permit the replay still runs.
+        let _permit = tokio::select! {
+            _ = cancel.cancelled() => return,
+            permit = permits.acquire_owned() => permit.ok(),
+        };
         let fetched = tokio::select! {
             _ = cancel.cancelled() => return,
             r = source.replay(&endpoint, from_seq, stop_before) => r,
@@ -1437,5 +1455,90 @@ mod tests {
         assert_eq!(status.lost_batches, 2, "{status:?}");
         assert_eq!(status.cursor, Some(3));
         h.cancel.cancel();
+    }
+
+    /// Replays that wait for the test's go, counting how many run at once.
+    struct ParkedReplays {
+        running: std::sync::atomic::AtomicUsize,
+        most: std::sync::atomic::AtomicUsize,
+        go: Semaphore,
+    }
+
+    impl KvSource for ParkedReplays {
+        type Subscription = SilentSub;
+        async fn subscribe(&self, _: &str, _: &str) -> SilentSub {
+            std::future::pending().await
+        }
+        async fn replay(
+            &self,
+            _: &str,
+            from_seq: i64,
+            _: Option<i64>,
+        ) -> Result<Vec<(i64, Bytes)>, TransportError> {
+            use std::sync::atomic::Ordering::SeqCst;
+            let now = self.running.fetch_add(1, SeqCst) + 1;
+            self.most.fetch_max(now, SeqCst);
+            self.go.acquire().await.expect("open").forget();
+            self.running.fetch_sub(1, SeqCst);
+            Ok(vec![(from_seq, Bytes::new())])
+        }
+    }
+
+    #[tokio::test]
+    async fn replays_past_the_in_flight_bound_wait_and_all_are_answered() {
+        use std::sync::atomic::Ordering::SeqCst;
+        let asked = REPLAYS_IN_FLIGHT_MAX * 3;
+        let source = Arc::new(ParkedReplays {
+            running: Default::default(),
+            most: Default::default(),
+            go: Semaphore::new(0),
+        });
+        let permits = Arc::new(Semaphore::new(REPLAYS_IN_FLIGHT_MAX));
+        let (tx, mut rx) = mpsc::channel(asked);
+        let metrics = KvMetrics::register(&prometheus::Registry::new()).unwrap();
+        let cancel = CancellationToken::new();
+        for generation in 0..asked as u64 {
+            spawn_replay(
+                source.clone(),
+                permits.clone(),
+                "tcp://replay".to_string(),
+                key("http://w"),
+                1,
+                generation,
+                0,
+                None,
+                tx.clone(),
+                metrics.clone(),
+                cancel.clone(),
+            );
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while source.running.load(SeqCst) < REPLAYS_IN_FLIGHT_MAX {
+            assert!(
+                Instant::now() < deadline,
+                "waited for {REPLAYS_IN_FLIGHT_MAX} replays in flight, saw {}",
+                source.running.load(SeqCst)
+            );
+            tokio::task::yield_now().await;
+        }
+        // Every task has had its turn to start: none past the bound got in.
+        for _ in 0..asked * 4 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(source.running.load(SeqCst), REPLAYS_IN_FLIGHT_MAX);
+        source.go.add_permits(asked);
+        let mut answered = std::collections::HashSet::new();
+        while answered.len() < asked {
+            let msg = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .unwrap_or_else(|_| panic!("{} of {asked} replays answered", answered.len()))
+                .expect("the channel stays open");
+            let PumpMsg::ReplayResult { generation, .. } = msg else {
+                panic!("only replay answers are sent");
+            };
+            answered.insert(generation);
+        }
+        assert_eq!(source.most.load(SeqCst), REPLAYS_IN_FLIGHT_MAX);
+        cancel.cancel();
     }
 }
