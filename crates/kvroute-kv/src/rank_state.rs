@@ -310,9 +310,9 @@ pub enum Phase<B> {
         held: HeldBatches<B>,
         /// The outcome of the release if the replay does not reach back to seq 0.
         fallback: BootstrapOutcome,
-        /// The proven partial graft in place, by its watermark: a replay that reaches seq 0
+        /// The proven partial graft in place, by its watermark's seq: a replay that reaches seq 0
         /// replaces it, any other answer leaves it (and `fallback` is `warm_partial`).
-        over_graft: Option<Witness>,
+        over_graft: Option<i64>,
     },
     /// Grafted at `watermark`, and a gap separates it from the first held batch: the engine's
     /// replay is asked for the missing batches.
@@ -758,29 +758,19 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
             return false;
         }
         let held = self.take_held();
-        let generation = self.mint_generation();
-        self.counters.replays_started += 1;
-        out.push(Action::StartReplay {
-            generation,
-            from_seq: 0,
-            stop_before: held.first_seq(),
-        });
-        self.phase = Phase::Rebuilding {
-            generation,
-            held,
-            fallback,
-            over_graft: None,
-        };
+        self.start_rebuild(held, fallback, None, out);
         true
     }
 
-    /// A partial graft's splice is proven: before settling `warm_partial`, ask the engine for its
-    /// stream from seq 0. A young engine still holds it all, and its replay is the rank's exact
-    /// history where the graft is only the producer's view of it (the producer joined mid-way).
-    fn start_rebuild_over_graft(
+    /// Asks the engine's replay from seq 0 and holds live batches until it answers: for a rank no
+    /// snapshot will cover (`over_graft` is `None`), or over a partial graft whose splice was
+    /// just proven at watermark `over_graft`, since a young engine still holds the rank's whole
+    /// stream, where the graft is only its producer's view (the producer joined mid-way).
+    fn start_rebuild(
         &mut self,
-        watermark: Witness,
         held: HeldBatches<B>,
+        fallback: BootstrapOutcome,
+        over_graft: Option<i64>,
         out: &mut Vec<Action<B>>,
     ) {
         let generation = self.mint_generation();
@@ -793,8 +783,8 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         self.phase = Phase::Rebuilding {
             generation,
             held,
-            fallback: BootstrapOutcome::WarmPartial,
-            over_graft: Some(watermark),
+            fallback,
+            over_graft,
         };
     }
 
@@ -1018,7 +1008,7 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
         // nothing held, an empty answer is an engine that has published nothing yet.
         let contiguous = prefix.iter().zip(0..).all(|((s, _), want)| *s == want);
         let reaches_held = first_held.is_none_or(|f| prefix.len() as i64 == f);
-        if let Some((watermark_seq, _)) = over_graft {
+        if let Some(watermark_seq) = over_graft {
             // The replay replaces the graft only if it is the whole stream through everything
             // applied on the graft so far (its watermark, and the live batch that proved the
             // splice when one did); anything less leaves the proven graft, which is at least the
@@ -1221,9 +1211,14 @@ impl<B: Stamped + HeldCost> RankMachine<B> {
             outcome == BootstrapOutcome::Warm && self.graft_history == GraftHistory::Partial;
         if partial_splice
             && self.has_replay
-            && let (Some(seq), Some(ts)) = (self.cursor, self.cursor_ts)
+            && let Some(watermark_seq) = self.cursor
         {
-            return self.start_rebuild_over_graft((seq, ts), held, out);
+            return self.start_rebuild(
+                held,
+                BootstrapOutcome::WarmPartial,
+                Some(watermark_seq),
+                out,
+            );
         }
         let outcome = if partial_splice {
             BootstrapOutcome::WarmPartial
