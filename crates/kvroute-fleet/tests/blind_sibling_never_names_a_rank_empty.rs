@@ -15,11 +15,13 @@
 //! the engine's buffer still reaches seq 0, the engine outranks the blind sibling: the partial
 //! graft is replaced by the engine's whole stream (`from_engine_replay`).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_fleet::router::{RouterOptions, RouterProcess};
 use kvroute_fleet::traffic::chain;
+use kvroute_fleet::view::RankName;
 use kvroute_fleet::{Fleet, SimOptions, SimProcess, scenario_lock};
 
 /// Long on purpose: a rank settled near it would be the search waiting for nothing.
@@ -32,6 +34,42 @@ const READY_LIMIT_MS: u64 = 40_000;
 /// engine's replay buffer, so nothing can recover them.
 const EARLY_BATCHES: usize = 24;
 const REPLAY_BUFFER_BATCHES: usize = 8;
+
+/// Publishes the batches both ranks hold before the blind replica starts.
+async fn publish_early_history(sim: &SimProcess) {
+    for i in 0..EARLY_BATCHES {
+        sim.store(0, 0, &[chain(i as u64, 2, 16)]).await;
+        sim.store(0, 1, &[chain(100 + i as u64, 2, 16)]).await;
+    }
+}
+
+/// A replica with no peers (no bootstrap), ready and subscribed to both ranks.
+async fn start_without_peers(name: &str, workers: &[String]) -> RouterProcess {
+    let router =
+        RouterProcess::start(RouterOptions::new(name, workers, BOOTSTRAP_TIMEOUT_MS)).await;
+    router.wait_ready(READY_LIMIT_MS).await;
+    router.wait_subscribed(2, READY_LIMIT_MS).await;
+    router
+}
+
+/// Waits until `router`'s cursors satisfy `reached` (described by `want`).
+async fn wait_cursors(
+    router: &RouterProcess,
+    want: &str,
+    reached: impl Fn(&BTreeMap<RankName, i64>) -> bool,
+) {
+    let mut probe = || async {
+        let cursors = router.cursors().await?;
+        if reached(&cursors) {
+            Ok(())
+        } else {
+            Err(format!("cursors {cursors:?}, want {want}"))
+        }
+    };
+    kvroute_fleet::wait::try_wait_until(READY_LIMIT_MS, &mut probe)
+        .await
+        .unwrap_or_else(|seen| panic!("{} never applied the batches: {seen}", router.name));
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_that_joined_mid_stream_never_names_a_quiet_rank_empty() {
@@ -47,19 +85,10 @@ async fn a_replica_that_joined_mid_stream_never_names_a_quiet_rank_empty() {
     fleet.sims.push(sim.clone());
     let workers = fleet.worker_specs();
     // Started before the engine's first batch: it holds both ranks' whole histories.
-    let whole =
-        RouterProcess::start(RouterOptions::new("whole", &workers, BOOTSTRAP_TIMEOUT_MS)).await;
-    whole.wait_ready(READY_LIMIT_MS).await;
-    whole.wait_subscribed(2, READY_LIMIT_MS).await;
-    for i in 0..EARLY_BATCHES {
-        sim.store(0, 0, &[chain(i as u64, 2, 16)]).await;
-        sim.store(0, 1, &[chain(100 + i as u64, 2, 16)]).await;
-    }
+    let whole = start_without_peers("whole", &workers).await;
+    publish_early_history(&sim).await;
     // No peers: no bootstrap, so this replica is blind to the 24 batches of each rank.
-    let blind =
-        RouterProcess::start(RouterOptions::new("blind", &workers, BOOTSTRAP_TIMEOUT_MS)).await;
-    blind.wait_ready(READY_LIMIT_MS).await;
-    blind.wait_subscribed(2, READY_LIMIT_MS).await;
+    let blind = start_without_peers("blind", &workers).await;
     // Rank 0 keeps publishing (the blind replica gets a cursor and serves snapshots); rank 1
     // stays quiet. Another salt gives these chains their own family prefix: a chain under a
     // prefix stored before the blind replica joined would hang from blocks it never saw.
@@ -67,18 +96,11 @@ async fn a_replica_that_joined_mid_stream_never_names_a_quiet_rank_empty() {
     for i in 0..4u64 {
         last_seq = sim.store(0, 0, &[chain(200 + i, 9, 16)]).await;
     }
-    for (name, router) in [("blind", &blind), ("whole", &whole)] {
-        let mut probe = || async {
-            let cursors = router.cursors().await?;
-            if cursors.values().any(|&c| c == last_seq) {
-                Ok(())
-            } else {
-                Err(format!("cursors {cursors:?}, want rank 0 at {last_seq}"))
-            }
-        };
-        kvroute_fleet::wait::try_wait_until(READY_LIMIT_MS, &mut probe)
-            .await
-            .unwrap_or_else(|seen| panic!("{name} never applied rank 0's batches: {seen}"));
+    for router in [&blind, &whole] {
+        wait_cursors(router, &format!("rank 0 at {last_seq}"), |c| {
+            c.values().any(|&seq| seq == last_seq)
+        })
+        .await;
     }
 
     let snapshot = blind
@@ -176,32 +198,17 @@ async fn a_partial_graft_gives_way_to_the_engines_stream_while_its_buffer_reache
     let sim = Arc::new(SimProcess::start(SimOptions::default()).await);
     fleet.sims.push(sim.clone());
     let workers = fleet.worker_specs();
-    for i in 0..EARLY_BATCHES {
-        sim.store(0, 0, &[chain(i as u64, 2, 16)]).await;
-        sim.store(0, 1, &[chain(100 + i as u64, 2, 16)]).await;
-    }
-    let blind =
-        RouterProcess::start(RouterOptions::new("blind", &workers, BOOTSTRAP_TIMEOUT_MS)).await;
-    blind.wait_ready(READY_LIMIT_MS).await;
-    blind.wait_subscribed(2, READY_LIMIT_MS).await;
+    publish_early_history(&sim).await;
+    let blind = start_without_peers("blind", &workers).await;
     let mut last_seq = 0;
     for i in 0..4u64 {
         last_seq = sim.store(0, 0, &[chain(200 + i, 9, 16)]).await;
         sim.store(0, 1, &[chain(300 + i, 9, 16)]).await;
     }
-    let mut probe = || async {
-        let cursors = blind.cursors().await?;
-        if cursors.len() == 2 && cursors.values().all(|&c| c == last_seq) {
-            Ok(())
-        } else {
-            Err(format!(
-                "cursors {cursors:?}, want both ranks at {last_seq}"
-            ))
-        }
-    };
-    kvroute_fleet::wait::try_wait_until(READY_LIMIT_MS, &mut probe)
-        .await
-        .unwrap_or_else(|seen| panic!("blind never applied both ranks' batches: {seen}"));
+    wait_cursors(&blind, &format!("both ranks at {last_seq}"), |c| {
+        c.len() == 2 && c.values().all(|&seq| seq == last_seq)
+    })
+    .await;
     let blind_snapshot = blind
         .snapshot()
         .await
