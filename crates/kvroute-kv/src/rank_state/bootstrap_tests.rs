@@ -1078,18 +1078,7 @@ fn partial_splice_awaiting_rebuild() -> (M, u64) {
 #[test]
 fn a_partial_splice_is_rebuilt_from_the_engine_when_its_replay_reaches_seq_zero() {
     let (mut m, generation) = partial_splice_awaiting_rebuild();
-    let out = replay(
-        &mut m,
-        generation,
-        vec![
-            (0, "b0"),
-            (1, "b1"),
-            (2, "b2"),
-            (3, "b3"),
-            (4, "b4"),
-            (5, "b5"),
-        ],
-    );
+    let out = replay(&mut m, generation, engine_stream(5));
     let clear = out.iter().position(|a| matches!(a, Action::ClearRank));
     let first_apply = out.iter().position(|a| matches!(a, Action::Apply { .. }));
     assert!(
@@ -1143,7 +1132,7 @@ fn a_rebuild_over_a_partial_graft_must_reach_the_watermark_to_replace_it() {
     assert_eq!((from_seq, stop_before), (0, None));
     // Contiguous from 0 but short of the watermark: the engine's buffer is not the stream the
     // graft's cursor describes; the graft stands.
-    let out = replay(&mut m, rebuild, vec![(0, "b0"), (1, "b1"), (2, "b2")]);
+    let out = replay(&mut m, rebuild, engine_stream(2));
     assert_eq!(outcomes(&out), vec![BootstrapOutcome::WarmPartial]);
     assert!(!out.iter().any(|a| matches!(a, Action::ClearRank)));
     assert_eq!(m.cursor(), Some(5));
@@ -1157,11 +1146,7 @@ fn live_batches_during_a_rebuild_over_a_graft_are_held_and_follow_the_replay() {
     let out = replay(&mut m, proof, vec![(2, "b2")]);
     let (rebuild, ..) = replay_start(&out);
     hold(&mut m, &[(3, "b3"), (4, "b4")]);
-    let out = replay(
-        &mut m,
-        rebuild,
-        vec![(0, "b0"), (1, "b1"), (2, "b2"), (3, "b3")],
-    );
+    let out = replay(&mut m, rebuild, engine_stream(3));
     assert_eq!(
         applied(&out),
         vec![0, 1, 2, 3, 4],
@@ -1170,11 +1155,17 @@ fn live_batches_during_a_rebuild_over_a_graft_are_held_and_follow_the_replay() {
     assert_eq!(outcomes(&out), vec![BootstrapOutcome::FromEngineReplay]);
 }
 
-#[test]
-fn a_partial_splice_proven_by_a_live_batch_applies_it_and_the_rebuild_applies_it_again_after_the_clear()
- {
-    // Nothing held at the graft: the proof's replay from the watermark is asked, but the live
-    // batch 6 proves the splice first and is applied on the graft at once.
+/// The engine's stream of batches `0..=through`, named like the other tests' batches.
+fn engine_stream(through: usize) -> Vec<(i64, &'static str)> {
+    const NAMES: [&str; 8] = ["b0", "b1", "b2", "b3", "b4", "b5", "b6", "b7"];
+    (0..=through).map(|i| (i as i64, NAMES[i])).collect()
+}
+
+/// Nothing held at a partial graft at 5: the proof's replay from the watermark is asked, but
+/// the live batch 6 proves the splice first, is applied on the graft at once, and the rebuild
+/// from seq 0 is asked. Returns the machine and the rebuild's generation; the proof's late
+/// answer has been ignored.
+fn partial_splice_proven_by_live_batch_six() -> (M, u64) {
     let mut m = boot(true);
     let out = partial_graft(&mut m, 5, "b5");
     let (proof, ..) = replay_start(&out);
@@ -1186,19 +1177,14 @@ fn a_partial_splice_proven_by_a_live_batch_applies_it_and_the_rebuild_applies_it
     assert_ne!(rebuild, proof);
     // The proof's late answer is for a phase the rank has left.
     assert_eq!(replay(&mut m, proof, vec![(5, "b5")]), vec![]);
-    let out = replay(
-        &mut m,
-        rebuild,
-        vec![
-            (0, "b0"),
-            (1, "b1"),
-            (2, "b2"),
-            (3, "b3"),
-            (4, "b4"),
-            (5, "b5"),
-            (6, "b6"),
-        ],
-    );
+    (m, rebuild)
+}
+
+#[test]
+fn a_partial_splice_proven_by_a_live_batch_applies_it_and_the_rebuild_applies_it_again_after_the_clear()
+ {
+    let (mut m, rebuild) = partial_splice_proven_by_live_batch_six();
+    let out = replay(&mut m, rebuild, engine_stream(6));
     let clear = out.iter().position(|a| matches!(a, Action::ClearRank));
     assert_eq!(clear, Some(0), "cleared before anything applies: {out:?}");
     assert_eq!(applied(&out), vec![0, 1, 2, 3, 4, 5, 6]);
@@ -1208,24 +1194,8 @@ fn a_partial_splice_proven_by_a_live_batch_applies_it_and_the_rebuild_applies_it
 
     // An answer that stops short of the batch applied on the graft would lose it: the graft
     // stands instead.
-    let mut m = boot(true);
-    let out = partial_graft(&mut m, 5, "b5");
-    let (proof, ..) = replay_start(&out);
-    let out = live(&mut m, 6, "b6");
-    let (rebuild, ..) = replay_start(&out);
-    assert_eq!(replay(&mut m, proof, vec![(5, "b5")]), vec![]);
-    let out = replay(
-        &mut m,
-        rebuild,
-        vec![
-            (0, "b0"),
-            (1, "b1"),
-            (2, "b2"),
-            (3, "b3"),
-            (4, "b4"),
-            (5, "b5"),
-        ],
-    );
+    let (mut m, rebuild) = partial_splice_proven_by_live_batch_six();
+    let out = replay(&mut m, rebuild, engine_stream(5));
     assert!(
         !out.iter().any(|a| matches!(a, Action::ClearRank)),
         "{out:?}"
