@@ -153,6 +153,16 @@ struct JobColumns {
     bucket_node: Vec<u32>,
 }
 
+impl JobColumns {
+    /// Whether these columns are sized for a plan of `nodes` nodes and `carriers` bucketed
+    /// carriers (a plan's columns are never used at another's size).
+    fn fit(&self, nodes: usize, carriers: usize) -> bool {
+        self.shard_of.len() == nodes
+            && self.placed.len() == nodes
+            && self.bucket_node.len() == carriers
+    }
+}
+
 impl std::fmt::Debug for ShardLayout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardLayout")
@@ -325,11 +335,9 @@ impl GraftPlan {
     /// could be spared to write them); otherwise the job allocates its own.
     pub fn has_job_columns(&self) -> bool {
         self.shard_layout.as_ref().is_some_and(|l| {
-            l.job_columns.as_ref().is_some_and(|c| {
-                c.placed.len() == self.snapshot.nodes.len()
-                    && c.bucket_node.len() == self.rank_engines.len()
-                    && c.shard_of.len() == self.snapshot.nodes.len()
-            })
+            l.job_columns
+                .as_ref()
+                .is_some_and(|c| c.fit(self.snapshot.nodes.len(), self.rank_engines.len()))
         })
     }
 
@@ -685,11 +693,7 @@ impl IndexWriter {
         } = shard_room
             .as_mut()
             .and_then(|l| l.job_columns.take())
-            .filter(|c| {
-                c.shard_of.len() == nodes
-                    && c.placed.len() == nodes
-                    && c.bucket_node.len() == bucketed
-            })
+            .filter(|c| c.fit(nodes, bucketed))
             .unwrap_or_else(|| JobColumns {
                 shard_of: vec![0; nodes],
                 placed: vec![0; nodes],
