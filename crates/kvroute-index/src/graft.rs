@@ -218,8 +218,8 @@ impl GraftPlan {
     /// columns written on a second thread from the start: their sizes are the snapshot's, known
     /// before it is checked, so their page faults overlap the validation and the engine-hash
     /// check instead of the short layout walk (measured at 64 ranks: the layout waited ~90 ms
-    /// for them, a third of the plan). Columns whose sizes `keep` changed are dropped and the
-    /// job allocates its own.
+    /// for them, a third of the plan). Columns whose sizes `keep` changed are dropped and written
+    /// again during the layout, at the plan's sizes.
     pub fn new_laid_out(
         snapshot: IndexSnapshot,
         block_size: u32,
