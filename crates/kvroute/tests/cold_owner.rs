@@ -429,17 +429,27 @@ async fn an_owner_that_keeps_failing_is_set_aside_and_its_prompts_placed_at_once
     cfg.load_share.enabled = false;
     let a = kvroute::serve(cfg).await.expect("a");
     let me = PeerUrl::parse(&a.internal_url()).unwrap();
-    // A closed port that outranks this replica for the fleet's one key (a coin toss per port).
-    let dead = (0..64)
-        .map(|_| PeerUrl::parse(&format!("http://127.0.0.1:{}", free_port())).unwrap())
-        .find(|d| {
+    // A closed address that outranks this replica for the fleet's one key. Each candidate is a
+    // coin toss weighted by this replica's own weight, which its random port decides: when that
+    // weight is high, 64 ports on one host could all lose (a clean-clone CI run failed so). So
+    // the candidates are every loopback host 127.0.x.y (nothing listens there) on one free
+    // port: only a replica outranking all 65,000 of them would find none.
+    let port = free_port();
+    let dead = (1..=u16::MAX)
+        .filter(|h| !matches!(h & 0xff, 0 | 255))
+        .map(|h| format!("127.0.{}.{}", h >> 8, h & 0xff))
+        .filter(|host| {
+            let candidate = PeerUrl::parse(&format!("http://{host}:{port}")).unwrap();
             kvroute::peer::cold_owner::owner_of(
                 kvroute::peer::cold_owner::FLEET_OWNER_KEY,
                 &me,
-                std::slice::from_ref(d),
-            ) == d
+                std::slice::from_ref(&candidate),
+            ) == &candidate
         })
-        .expect("one of 64 closed ports outranks this replica");
+        // Nothing listens there: the address can be bound (and is released at once).
+        .find(|host| std::net::TcpListener::bind((host.as_str(), port)).is_ok())
+        .map(|host| PeerUrl::parse(&format!("http://{host}:{port}")).unwrap())
+        .expect("a closed loopback address outranks this replica");
     a.router.peers.replace([dead.clone()]);
     wait_subscribed(&a.url(), 4).await;
     for i in 0..COLD_OWNER_FAILURES_MAX {
